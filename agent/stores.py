@@ -1,0 +1,90 @@
+"""Stores: one stable coordination store for the agents, one fresh store server per generation for workers.
+
+Why a fresh worker store per generation (DESIGN §3): torch's env:// init adds no per-attempt prefix, so
+reusing one store across generations makes a replacement rank dial stale peer addresses. A new server on
+a new port gives every generation a clean namespace; closing the old one releases any rank still
+waiting on it. The store is hosted by an agent, never by a worker, so any rank - rank 0 included - can
+die and be replaced.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+from typing import Optional
+
+from hyperpodrun.errors import RendezvousError
+
+log = logging.getLogger("hyperpodrun.agent")
+
+
+def _torch_dist():
+    import torch.distributed as dist  # the agent imports torch lazily: the CLI's usage errors stay fast
+    return dist
+
+
+def open_tcp_store(host: str, port: int, *, server: bool, timeout_s: float, wait_for_workers: bool = False):
+    """A TCPStore client or server; a clear RendezvousError instead of a torch traceback."""
+    dist = _torch_dist()
+    try:
+        return dist.TCPStore(host, port, is_master=server, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=wait_for_workers, multi_tenant=False)
+    except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
+        what = "serve" if server else "reach"
+        raise RendezvousError(
+            f"cannot {what} the coordination store at {host}:{port}: {str(exc).splitlines()[0]}. "
+            "Check the address/port, that the port is free on the host node, and that the nodes can reach it.")
+
+
+def local_store():
+    """The coordination store of a single-node job: in memory, same API as TCPStore."""
+    return _torch_dist().HashStore()
+
+
+def prefixed(prefix: str, store):
+    return _torch_dist().PrefixStore(prefix, store)
+
+
+def is_local_host(host: str) -> bool:
+    """Does `host` name this machine? (decides which c10d agent serves the endpoint)"""
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", "") or host.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    if host in names:
+        return True
+    try:
+        target = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    local: set[str] = set()
+    for name in names:
+        try:
+            local |= {ai[4][0] for ai in socket.getaddrinfo(name, None)}
+        except OSError:
+            pass
+    return bool(target & local) or any(a.startswith("127.") or a == "::1" for a in target)
+
+
+class WorkerStores:
+    """The per-generation store servers this agent hosts for the workers."""
+
+    def __init__(self, bind_host: str) -> None:
+        self._bind_host = bind_host
+        self._servers: dict[int, object] = {}
+
+    def open(self, generation: int) -> int:
+        """Start generation `generation`'s server; returns its port. Older servers are closed."""
+        store = open_tcp_store(self._bind_host, 0, server=True, timeout_s=60)
+        self._servers[generation] = store
+        for g in [g for g in self._servers if g < generation]:
+            self.close(g)
+        return int(store.port)  # type: ignore[attr-defined]
+
+    def close(self, generation: int) -> None:
+        self._servers.pop(generation, None)
+
+    def close_all(self) -> None:
+        self._servers.clear()
+
+    def get(self, generation: int) -> Optional[object]:
+        return self._servers.get(generation)

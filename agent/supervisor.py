@@ -1,0 +1,220 @@
+"""Worker processes: spawn each in its own session, track its exit by pid, end its whole tree.
+
+Exits are observed per pid (pidfd where the kernel has it, else polling that pid) - never a bare
+waitpid(-1) that would steal statuses. The agent marks itself a child subreaper, so grandchildren that
+outlive a worker are re-parented to us and reaped here. A separate reaper process (agent/reaper.py)
+kills every registered session if the agent dies, even by SIGKILL.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from agent.reaper import kill_sessions, session_members
+from hyperpodrun.errors import WorkerSpawnError
+
+log = logging.getLogger("hyperpodrun.agent")
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are re-parented to this process (as if it were PID 1)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def describe_exit(code: int) -> str:
+    """`exit code 7` or `signal SIGKILL (9)` for a Popen-style return code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"{name} ({-code})"
+    return f"exit code {code}"
+
+
+def shell_code(code: int) -> int:
+    """Popen return code -> process exit status as a shell reports it (signal N -> 128+N)."""
+    return 128 - code if code < 0 else code
+
+
+@dataclass
+class WorkerProcess:
+    """One worker: its identity in the job and its OS process."""
+
+    local_rank: int
+    rank: int
+    generation: int
+    popen: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+    pidfd: Optional[int] = None
+    returncode: Optional[int] = None
+    signalled: bool = False   # we sent it a signal (shutdown, restart): its death is not the root cause
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+
+class Reaper:
+    """Handle on the reaper process; tells it which sessions to kill should the agent die."""
+
+    def __init__(self) -> None:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-S", "-u", script], stdin=subprocess.PIPE, start_new_session=True,
+            close_fds=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _send(self, line: str) -> None:
+        try:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(line.encode())
+            self._proc.stdin.flush()
+        except (OSError, ValueError):
+            log.warning("reaper process is gone; workers may outlive a crash of the agent")
+
+    def add(self, sid: int) -> None:
+        self._send(f"add {sid}\n")
+
+    def remove(self, sid: int) -> None:
+        self._send(f"del {sid}\n")
+
+    def close(self) -> None:
+        """Normal shutdown: sessions were already removed, so the reaper just exits."""
+        try:
+            if self._proc.stdin:
+                self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class Supervisor:
+    """Owns the worker processes of this node. Called only from the agent's loop thread."""
+
+    def __init__(self, reaper: Reaper) -> None:
+        self.reaper = reaper
+        self.workers: dict[int, WorkerProcess] = {}   # by local rank (the live incarnation)
+        self._extra: set[int] = {reaper.pid}          # our other children (reaper, hooks)
+
+    def spawn(self, local_rank: int, rank: int, generation: int, argv: list[str], env: dict[str, str],
+              stdout_path: Optional[str], stderr_path: Optional[str], cwd: Optional[str] = None) -> WorkerProcess:
+        """Start one worker in its own session; stdout/stderr to files when paths are given."""
+        out = open(stdout_path, "ab", buffering=0) if stdout_path else None
+        err = open(stderr_path, "ab", buffering=0) if stderr_path else None
+        try:
+            popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                     start_new_session=True, close_fds=True)
+        except OSError as exc:
+            raise WorkerSpawnError(f"cannot start local rank {local_rank} ({argv[0]!r}): {exc.strerror}") from exc
+        finally:
+            for fh in (out, err):
+                if fh is not None:
+                    fh.close()
+        self.reaper.add(popen.pid)
+        proc = WorkerProcess(local_rank=local_rank, rank=rank, generation=generation, popen=popen)
+        try:
+            proc.pidfd = os.pidfd_open(popen.pid)
+        except (AttributeError, OSError):
+            proc.pidfd = None
+        self.workers[local_rank] = proc
+        return proc
+
+    def poll_exits(self) -> list[WorkerProcess]:
+        """Workers that exited since the last call (reaped, their leftover session killed)."""
+        done = []
+        for proc in list(self.workers.values()):
+            if proc.returncode is not None:
+                continue
+            code = proc.popen.poll()
+            if code is None:
+                continue
+            proc.returncode = code
+            self._close_pidfd(proc)
+            self._end_session(proc.pid)
+            done.append(proc)
+        return done
+
+    def pidfds(self) -> list[int]:
+        return [p.pidfd for p in self.workers.values() if p.alive and p.pidfd is not None]
+
+    def live(self) -> list[WorkerProcess]:
+        return [p for p in self.workers.values() if p.alive]
+
+    def signal_all(self, sig: int, procs: Optional[list[WorkerProcess]] = None) -> None:
+        """Send `sig` to each live worker's whole process group."""
+        for proc in procs if procs is not None else self.live():
+            proc.signalled = True
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError as exc:
+                log.warning("cannot signal rank %d (pid %d): %s", proc.rank, proc.pid, exc)
+
+    def kill(self, proc: WorkerProcess) -> None:
+        """SIGKILL a worker's process group now."""
+        self.signal_all(signal.SIGKILL, [proc])
+
+    def _end_session(self, sid: int) -> None:
+        """Kill whatever the worker left behind in its session, then forget the session."""
+        if session_members({sid}):
+            kill_sessions({sid}, deadline_s=2.0)
+        self.reaper.remove(sid)
+
+    @staticmethod
+    def _close_pidfd(proc: WorkerProcess) -> None:
+        if proc.pidfd is not None:
+            try:
+                os.close(proc.pidfd)
+            except OSError:
+                pass
+            proc.pidfd = None
+
+    def track_extra(self, pid: int) -> None:
+        self._extra.add(pid)
+
+    def reap_orphans(self) -> None:
+        """Reap re-parented orphans (we are a subreaper, or PID 1) without touching our own children."""
+        ours = {p.pid for p in self.workers.values() if p.returncode is None} | self._extra
+        try:
+            tasks = os.listdir("/proc/self/task")
+        except OSError:
+            return
+        for task in tasks:
+            try:
+                with open(f"/proc/self/task/{task}/children") as fh:
+                    children = [int(x) for x in fh.read().split()]
+            except (OSError, ValueError):
+                continue
+            for pid in children:
+                if pid in ours:
+                    continue
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass

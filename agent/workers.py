@@ -1,0 +1,126 @@
+"""Turning the launch config into worker processes: argv, environment, per-rank log files, tee.
+
+Log layout: <log-dir>/<run-id>/attempt_<g>/rank_<r>/{stdout.log,stderr.log,error.json}, where g is the
+restart generation the process was started in (a respawned rank starts a new attempt directory; ranks
+that survived an in-process restart keep writing to theirs).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any, Optional
+
+from agent.rendezvous import Rendezvous
+from agent.supervisor import Supervisor, WorkerProcess
+from agent.tee import Tee
+from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
+from hyperpodrun.env import WorkerIdentity, inprocess_env_overrides, worker_env
+
+log = logging.getLogger("hyperpodrun.agent")
+
+
+def worker_argv(cfg: LaunchConfig) -> list[str]:
+    """The command each worker runs (torchrun's rules: `python -u script`, `-m`, `--no-python`)."""
+    if cfg.no_python and not cfg.run_path:
+        return [cfg.entrypoint, *cfg.args]
+    if cfg.module:
+        return [sys.executable, "-u", "-m", cfg.entrypoint, *cfg.args]
+    return [sys.executable, "-u", cfg.entrypoint, *cfg.args]
+
+
+class WorkerLauncher:
+    """Spawns this node's workers for a generation and wires their logs."""
+
+    def __init__(self, cfg: LaunchConfig, rdzv: Rendezvous, run_dir: str, host: str, sup: Supervisor, tee: Tee,
+                 events: Any, control: Optional[str] = None) -> None:
+        self.cfg = cfg
+        self.rdzv = rdzv
+        self.run_dir = run_dir
+        self.host = host
+        self.sup = sup
+        self.tee = tee
+        self.events = events
+        self.control = control
+        self.argv = worker_argv(cfg)
+        self.base_env = self._base_env()
+        self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
+
+    def _base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if "OMP_NUM_THREADS" not in env and self.cfg.nproc_per_node > 1:
+            env["OMP_NUM_THREADS"] = "1"
+            log.warning("setting OMP_NUM_THREADS=1 for each worker (torchrun's default with several workers "
+                        "per node); set it yourself to tune")
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
+        if self.cfg.inprocess_restart:
+            for name in inprocess_env_overrides(env):
+                log.warning("%s=%s is set: under --inprocess-restart hyperpodrun would set %s so NCCL cleans up "
+                            "instead of killing the surviving ranks; keeping your value", name, env[name], name)
+        return env
+
+    def identity(self, local_rank: int) -> WorkerIdentity:
+        return WorkerIdentity(local_rank=local_rank, rank=self.rdzv.rank_offset + local_rank,
+                              world_size=self.rdzv.world_size, local_world_size=self.cfg.nproc_per_node,
+                              group_rank=self.rdzv.node_rank, group_world_size=self.rdzv.nnodes, role=self.cfg.role)
+
+    def _modes(self, local_rank: int) -> tuple[int, int]:
+        """(to file, to console with prefix) bit masks of STD_OUT/STD_ERR for a local rank."""
+        cfg = self.cfg
+        if not cfg.redirects and not cfg.tee:
+            to_file, teed = STD_ALL, STD_ALL            # default: files + prefixed console
+        else:
+            red = cfg.redirects.get(local_rank, 0)
+            tee = cfg.tee.get(local_rank, 0)
+            to_file, teed = red | tee, tee
+        if local_rank not in cfg.console_ranks():
+            to_file, teed = STD_ALL, 0                  # filtered out of the console, still kept in files
+        return to_file, teed
+
+    def spawn(self, local_rank: int, generation: int, store_port: int) -> WorkerProcess:
+        who = self.identity(local_rank)
+        rank_dir = os.path.join(self.run_dir, f"attempt_{generation}", f"rank_{who.rank}")
+        os.makedirs(rank_dir, exist_ok=True)
+        error_file = os.path.join(rank_dir, "error.json")
+        if os.path.exists(error_file):
+            os.replace(error_file, error_file + ".prev")
+        to_file, teed = self._modes(local_rank)
+        out = os.path.join(rank_dir, "stdout.log") if to_file & STD_OUT else None
+        err = os.path.join(rank_dir, "stderr.log") if to_file & STD_ERR else None
+        env = worker_env(self.base_env, who, master_addr=self.rdzv.master_addr, master_port=store_port,
+                         generation=generation, max_restarts=self.cfg.max_restarts, run_id=self.rdzv.run_id,
+                         error_file=error_file, run_dir=self.run_dir, host=self.host, control=self.control,
+                         inprocess=self.cfg.inprocess_restart, heartbeat_interval=self.cfg.heartbeat_interval)
+        for path in (out, err):
+            if path:
+                open(path, "ab").close()
+        prefix = f"[{self.host}:{who.rank}]: "
+        if out and teed & STD_OUT:
+            self.tee.follow(out, prefix, sys.stdout.buffer)
+        if err and teed & STD_ERR:
+            self.tee.follow(err, prefix, sys.stderr.buffer)
+        proc = self.sup.spawn(local_rank, who.rank, generation, self.argv, env, out, err)
+        self._paths[proc.pid] = (out, err, error_file)
+        self.events.emit("worker_start", f"rank {who.rank} started (pid {proc.pid}, generation {generation})",
+                         rank=who.rank, pid=proc.pid, generation=generation, level=logging.DEBUG)
+        return proc
+
+    def spawn_all(self, generation: int, store_port: int) -> None:
+        for lr in range(self.cfg.nproc_per_node):
+            self.spawn(lr, generation, store_port)
+        self.events.emit("workers_started", f"generation {generation}: started {self.cfg.nproc_per_node} workers "
+                         f"(store {self.rdzv.master_addr}:{store_port})", generation=generation)
+
+    def error_file(self, proc: WorkerProcess) -> Optional[str]:
+        paths = self._paths.get(proc.pid)
+        return paths[2] if paths else None
+
+    def on_exit(self, proc: WorkerProcess) -> None:
+        """Flush the tee of an exited worker's files."""
+        paths = self._paths.get(proc.pid)
+        if not paths:
+            return
+        for path in paths[:2]:
+            if path:
+                self.tee.release(path)

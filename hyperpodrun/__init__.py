@@ -1,0 +1,30 @@
+"""hyperpodrun: a torchrun-compatible launcher with in-process restart, and the runtime its workers import.
+
+Importing this package is cheap: it loads neither the agent nor Lightning. The runtime API
+(HPWrapper, CheckpointManager, ...) is imported lazily on first attribute access.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "HPWrapper": "hyperpodrun.runtime.wrapper",
+    "CallWrapper": "hyperpodrun.runtime.wrapper",
+    "wait_rank": "hyperpodrun.runtime.wrapper",
+    "CudaHealthCheck": "hyperpodrun.runtime.health",
+    "CheckpointlessAbortManager": "hyperpodrun.runtime.abort",
+    "CheckpointlessFinalizeCleanup": "hyperpodrun.runtime.abort",
+    "AbortProcessGroups": "hyperpodrun.runtime.abort",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hyperpodrun' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
