@@ -19,7 +19,9 @@ import zmq
 from agent import stores
 from agent.coordination import Coordinator, Watcher
 from agent.events import EventLog
+from agent.control import ControlServer
 from agent.hooks import run_hook
+from agent.inprocess import InProcess
 from agent.rendezvous import Rendezvous, hostname, rendezvous
 from agent.report import failure_summary
 from agent.supervisor import Reaper, Supervisor, WorkerProcess, become_subreaper, describe_exit, shell_code
@@ -51,6 +53,9 @@ class Agent:
         self.watcher: Optional[Watcher] = None
         self.wstores: Optional[stores.WorkerStores] = None
         self.launcher: Optional[WorkerLauncher] = None
+        self.control: Optional[ControlServer] = None
+        self.inproc: Optional[InProcess] = None
+        self._warned_unwrapped = False
         self.generation = 0
         self.exit_code: Optional[int] = None
         # process-level state machine
@@ -91,7 +96,13 @@ class Agent:
         if self.rdzv.store_host:
             self.wstores = stores.WorkerStores("0.0.0.0" if not self.rdzv.single_node else "127.0.0.1")
         self.tee = Tee()
-        self.launcher = WorkerLauncher(cfg, self.rdzv, run_dir, self.host, self.sup, self.tee, self.events)
+        if cfg.inprocess_restart:
+            self.control = ControlServer()
+            self.inproc = InProcess(self)
+            self._write_agent_info(run_dir)
+        self.launcher = WorkerLauncher(cfg, self.rdzv, run_dir, self.host, self.sup, self.tee, self.events,
+                                       control=self.control.endpoint if self.control else None,
+                                       on_spawn=self.inproc.on_spawn if self.inproc else None)
 
         if cfg.pre_train_script:
             code = run_hook("pre-train", cfg.pre_train_script, cfg.pre_train_args, self.events, self.sup)
@@ -136,6 +147,17 @@ class Agent:
         for sig in self.cfg.signals_to_handle:
             signal.signal(sig, handler)
 
+    def _write_agent_info(self, run_dir: str) -> None:
+        """Where `hyperpodrun inject` finds this agent."""
+        import json
+        assert self.control is not None and self.rdzv is not None
+        path = os.path.join(run_dir, f"node{self.rdzv.node_rank}.agent.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"control": self.control.endpoint, "pid": os.getpid(), "host": self.host,
+                       "node_rank": self.rdzv.node_rank, "rank_offset": self.rdzv.rank_offset,
+                       "nproc_per_node": self.cfg.nproc_per_node}, fh)
+        os.replace(path + ".tmp", path)
+
     def _make_run_dir(self, run_id: str) -> str:
         path = os.path.join(self.cfg.log_dir, run_id)
         os.makedirs(path, exist_ok=True)
@@ -145,6 +167,8 @@ class Agent:
     def _loop(self) -> int:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control.sock, zmq.POLLIN)
         registered: set[int] = set()
         assert self.sup is not None
         while self.phase != "done":
@@ -160,6 +184,9 @@ class Agent:
                     timeout = max(0.0, min(timeout, deadline - time.monotonic()))
             poller.poll(timeout * 1000)
             self._drain_wake()
+            if self.control is not None:
+                for ident, msg in self.control.receive():
+                    self._on_message(ident, msg)
             self._tick()
         for fd in registered:
             poller.unregister(fd)
@@ -187,6 +214,8 @@ class Agent:
             self._on_exit(proc)
         self.sup.reap_orphans()
         now = time.monotonic()
+        if self.inproc is not None and self.phase in ("running", "restarting"):
+            self.inproc.tick(now)
         if self.phase == "stopping":
             self._advance_stop(now)
         if self.phase == "awaiting_store":
@@ -219,6 +248,9 @@ class Agent:
                     self._begin_stop(("exit", EXIT_AGENT_ERROR), self.cfg.shutdown_signal)
 
     def _on_remote_generation(self, gen: int) -> None:
+        if self.inproc is not None and self.inproc.ever_hello and self.phase in ("running", "restarting"):
+            self.inproc.remote_generation(gen)
+            return
         if gen <= self.generation or (self.stop_then and self.stop_then[0] == "restart" and self.stop_then[1] >= gen):
             return
         if self.phase in ("done",) or (self.stop_then and self.stop_then[0] == "exit"):
@@ -244,6 +276,18 @@ class Agent:
         self.events.emit("worker_exit", f"rank {proc.rank} (pid {proc.pid}) exited: {describe_exit(code)}",
                          rank=proc.rank, pid=proc.pid, exit_code=code, generation=proc.generation,
                          level=logging.INFO if code == 0 or proc.signalled else logging.WARNING)
+        if self.inproc is not None and self.phase in ("running", "restarting"):
+            if self.inproc.ever_hello:
+                if code == 0 and self.inproc.completing:
+                    if all(p.returncode == 0 for p in self.sup.workers.values()):
+                        self._on_local_success()
+                    return
+                self.inproc.on_exit(proc.local_rank, code, proc.signalled)
+                return
+            if code != 0 and not self._warned_unwrapped:
+                self._warned_unwrapped = True
+                self.events.emit("not_wrapped", "no worker has said HELLO (the script does not use HPWrapper?): "
+                                 "falling back to a process-level restart", level=logging.WARNING)
         if self.phase != "running":
             return
         if code == 0:
@@ -261,7 +305,7 @@ class Agent:
         info["summary"] = failure_summary(info)
         self.events.emit("fault", f"rank {proc.rank} failed: {describe_exit(code)}", rank=proc.rank,
                          exit_code=shell_code(code), generation=self.generation, level=logging.ERROR)
-        target, started, budget_ok = self.coord.request_restart(self.generation, info)
+        target, started, budget_ok = self.coord.request_restart(self.generation, info, count_budget=True)
         if budget_ok:
             used = self.coord.restarts_used()
             self.events.emit("restart_begin", f"process-level restart {min(used, self.cfg.max_restarts)}/"
@@ -303,6 +347,75 @@ class Agent:
         if self.finish_deadline is not None and now > self.finish_deadline:
             self.events.emit("exit_barrier_timeout", "other nodes did not finish in time", level=logging.ERROR)
             self._finish(EXIT_AGENT_ERROR)
+
+    # ------------------------------------------------------------------------------------ in-process services
+    def _on_message(self, ident: bytes, msg: Any) -> None:
+        from hyperpodrun import protocol as P
+        if isinstance(msg, P.InjectRequest):
+            self._on_inject(ident, msg)
+            return
+        if self.inproc is not None:
+            self.inproc.on_message(ident, msg)
+
+    def _on_inject(self, ident: bytes, req: Any) -> None:
+        from hyperpodrun import protocol as P
+        assert self.control is not None and self.inproc is not None
+        st = self.inproc.by_rank(req.rank)
+        if st is None or st.pid is None:
+            self.control.send(ident, P.InjectReply(ok=False, detail=f"rank {req.rank} is not on this node"))
+            return
+        if not (req.kind == "kill" and req.step is None) and not st.hello:
+            self.control.send(ident, P.InjectReply(ok=False, detail=f"rank {req.rank} has not connected yet"))
+            return
+        self.events.emit("inject", f"fault injection: {req.kind} on rank {req.rank}"
+                         + (f" at step {req.step}" if req.step is not None else " now"), rank=req.rank,
+                         kind=req.kind, step=req.step, level=logging.WARNING)
+        if req.kind == "kill" and req.step is None:
+            proc = self.sup.workers.get(st.local_rank)
+            if proc is not None and proc.alive:
+                os.kill(proc.pid, signal.SIGKILL)
+            self.control.send(ident, P.InjectReply(ok=True, detail=f"killed rank {req.rank} pid {st.pid}"))
+            return
+        self.control.send(st.ident, P.Inject(kind=req.kind, step=req.step, exit_code=req.exit_code, xid=req.xid))
+        self.control.send(ident, P.InjectReply(ok=True, detail=f"armed {req.kind} on rank {req.rank} (pid {st.pid})"))
+
+    def fail_job(self, info: dict[str, Any], code: int) -> None:
+        """End the job: record the cause, tell the other nodes, stop every worker."""
+        if self.stop_then and self.stop_then[0] == "exit":
+            return
+        info = dict(info, exit_code=code)
+        self.first_failure = self.first_failure or info
+        if self.coord is not None:
+            self.coord.report_failure(info)
+        self._begin_stop(("exit", code), self.cfg.shutdown_signal)
+
+    def open_worker_store(self, gen: int) -> None:
+        """On the store host: start generation `gen`'s worker store and publish its port."""
+        assert self.rdzv is not None and self.coord is not None
+        if self.rdzv.store_host:
+            assert self.wstores is not None
+            if self.wstores.get(gen) is None:
+                self.coord.publish_worker_store(gen, self.wstores.open(gen))
+
+    def spawn_worker(self, local_rank: int, gen: int) -> WorkerProcess:
+        assert self.launcher is not None and self.coord is not None
+        port = self.coord.worker_store_port(gen) or 0
+        return self.launcher.spawn(local_rank, gen, port)
+
+    def escalate(self, target: int, root: dict[str, Any]) -> None:
+        """In-process restart did not finish in time: process-level restart of this node."""
+        assert self.coord is not None
+        nxt, _, budget_ok = self.coord.request_restart(target, root, count_budget=True)
+        if not budget_ok:
+            self.fail_job(dict(root, summary=f"in-process restart timed out and the restart budget "
+                               f"(--max-restarts {self.cfg.max_restarts}) is spent; last fault: {root.get('summary')}",
+                               cause="in-process restart timed out"), EXIT_RESTARTS_EXHAUSTED)
+            return
+        self.detect_t = time.monotonic()
+        self.events.emit("restart_begin", f"process-level restart of this node's workers: generation {nxt} "
+                         f"({signal.Signals(self.cfg.shutdown_signal).name}, SIGKILL after "
+                         f"{self.cfg.shutdown_timeout:g}s)", generation=nxt)
+        self._begin_stop(("restart", nxt), self.cfg.shutdown_signal)
 
     # ------------------------------------------------------------------------------------ stopping
     def _begin_stop(self, then: tuple, sig: int) -> None:
@@ -368,6 +481,8 @@ class Agent:
         self.generation = gen
         self.launcher.spawn_all(gen, port_or_none)
         self.phase = "running"
+        if self.inproc is not None and gen > 0 and self.inproc.ever_hello:
+            self.inproc.reset_after_process_restart(gen)
         return True
 
     def _finish(self, code: int) -> None:
@@ -398,6 +513,8 @@ class Agent:
             self.reaper.close()
         if self.wstores is not None:
             self.wstores.close_all()
+        if self.control is not None:
+            self.control.close()
         self.events.close()
         for fd in (self._wake_r, self._wake_w):
             try:

@@ -27,8 +27,12 @@ class Coordinator:
     def generation(self) -> int:
         return int(self.store.add("gen", 0))
 
-    def request_restart(self, current: int, reason: dict[str, Any]) -> tuple[int, bool, bool]:
-        """Ask for generation current+1 -> (target generation, we started it, budget allows it)."""
+    def request_restart(self, current: int, reason: dict[str, Any], count_budget: bool = True
+                        ) -> tuple[int, bool, bool]:
+        """Ask for generation current+1 -> (target generation, we started it, budget allows it).
+
+        In-process restarts move the generation without spending the --max-restarts budget
+        (count_budget=False); process-level restarts spend one unit."""
         latest = self.generation()
         if latest > current:
             return latest, False, True  # someone already moved it: fold our failure into theirs
@@ -36,8 +40,8 @@ class Coordinator:
         first = self.store.add(f"restart/{target}", 1) == 1
         if not first:
             return target, False, True
-        used = self.store.add("restarts_used", 1)
-        if used > self.max_restarts:
+        used = self.store.add("restarts_used", 1 if count_budget else 0)
+        if count_budget and used > self.max_restarts:
             return target, True, False
         self.store.set(f"restart/{target}/reason", json.dumps(reason, default=str))
         # the generation key is a counter: add the difference so it never moves backwards

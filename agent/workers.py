@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from agent.rendezvous import Rendezvous
 from agent.supervisor import Supervisor, WorkerProcess
@@ -34,7 +34,8 @@ class WorkerLauncher:
     """Spawns this node's workers for a generation and wires their logs."""
 
     def __init__(self, cfg: LaunchConfig, rdzv: Rendezvous, run_dir: str, host: str, sup: Supervisor, tee: Tee,
-                 events: Any, control: Optional[str] = None) -> None:
+                 events: Any, control: Optional[str] = None,
+                 on_spawn: Optional[Callable[[int, int], None]] = None) -> None:
         self.cfg = cfg
         self.rdzv = rdzv
         self.run_dir = run_dir
@@ -43,6 +44,7 @@ class WorkerLauncher:
         self.tee = tee
         self.events = events
         self.control = control
+        self.on_spawn = on_spawn
         self.argv = worker_argv(cfg)
         self.base_env = self._base_env()
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
@@ -102,6 +104,8 @@ class WorkerLauncher:
             self.tee.follow(err, prefix, sys.stderr.buffer)
         proc = self.sup.spawn(local_rank, who.rank, generation, self.argv, env, out, err)
         self._paths[proc.pid] = (out, err, error_file)
+        if self.on_spawn is not None:
+            self.on_spawn(local_rank, proc.pid)
         self.events.emit("worker_start", f"rank {who.rank} started (pid {proc.pid}, generation {generation})",
                          rank=who.rank, pid=proc.pid, generation=generation, level=logging.DEBUG)
         return proc

@@ -11,6 +11,8 @@ EXIT_STATE_LOST = 75
 EXIT_NO_USABLE_GPU = 76
 #: the same step failed --max-step-failures times in a row
 EXIT_STEP_KEEPS_FAILING = 77
+#: a worker's health check failed (or abort timed out): the agent replaces the process
+EXIT_WORKER_UNHEALTHY = 74
 #: the restart budget (--max-restarts) is exhausted (used when no worker exit code applies)
 EXIT_RESTARTS_EXHAUSTED = 78
 

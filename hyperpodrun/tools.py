@@ -99,3 +99,53 @@ def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool
         if not follow:
             return
         time.sleep(0.2)
+
+
+@tools.command("inject")
+@click.argument("log_dir", required=False)
+@click.option("--rank", type=click.IntRange(min=0), required=True, help="Global rank to hit.")
+@click.option("--kind", type=click.Choice(["kill", "segv", "exit", "raise", "hang", "hang-gil", "hang-c"]),
+              required=True, help="kill/segv/exit: the process dies; raise: an exception; hang: a Python loop; "
+              "hang-gil: a C call holding the GIL; hang-c: a C call without the GIL (like a stuck collective).")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="Fire when the rank reports progress at or past this step (default: now / next progress).")
+@click.option("--exit-code", type=click.IntRange(0, 255), default=1, help="Exit code for --kind exit.")
+@click.option("--timeout", type=float, default=10.0, help="Seconds to wait for the agent's answer.")
+def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], exit_code: int, timeout: float) -> None:
+    """Inject a fault into a running --inprocess-restart job (chaos drills, tests)."""
+    import zmq
+
+    from hyperpodrun import protocol as P
+    run = resolve_run(log_dir)
+    target = None
+    for path in sorted(glob.glob(os.path.join(run, "node*.agent.json"))):
+        with open(path) as fh:
+            info = json.load(fh)
+        if info["rank_offset"] <= rank < info["rank_offset"] + info["nproc_per_node"]:
+            target = info
+    if target is None:
+        raise click.UsageError(f"no running --inprocess-restart agent of {run} hosts rank {rank}")
+    ctx = zmq.Context()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:   # a rank still starting up ("not connected yet") is retried until the timeout
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(target["control"])
+            sock.send(P.encode(P.InjectRequest(rank=rank, kind=kind, step=step, exit_code=exit_code)))
+            left = max(0.0, deadline - time.monotonic())
+            if not sock.poll(int(left * 1000)):
+                sock.close()
+                raise click.ClickException(f"the agent (pid {target['pid']}) did not answer within {timeout:g}s; "
+                                           "is the job still running?")
+            reply = P.decode(sock.recv())
+            sock.close()
+            if getattr(reply, "ok", False) or "not connected yet" not in getattr(reply, "detail", "") \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        ctx.term()
+    if not getattr(reply, "ok", False):
+        raise click.ClickException(getattr(reply, "detail", "refused"))
+    click.echo(getattr(reply, "detail", "ok"))

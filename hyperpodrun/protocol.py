@@ -1,0 +1,132 @@
+"""Control-plane messages between the agent and its workers: the one contract both sides share.
+
+Worker -> agent: HELLO, HEARTBEAT, FAULT, READY, DONE. Agent -> worker: RESTART, GO, SHUTDOWN, INJECT.
+Tool -> agent: INJECT_REQUEST (answered with INJECT_REPLY). Each message is a pydantic model with a
+`type` tag, sent as one JSON frame over zmq. A frame that does not parse is logged and dropped.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+
+
+class _Msg(BaseModel):
+    model_config = {"extra": "ignore"}
+
+
+class Hello(_Msg):
+    type: Literal["hello"] = "hello"
+    rank: int
+    local_rank: int
+    pid: int
+    generation: int
+    wrapped: bool = True
+    device_uuid: Optional[str] = None
+    pci_bus_id: Optional[str] = None
+
+
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    rank: int
+    pid: int
+    generation: int
+    step: Optional[int] = None
+    seq: Optional[int] = None          # collective sequence number of the default process group
+    state: str = "running"             # running | recovering | waiting | done
+
+
+class Fault(_Msg):
+    type: Literal["fault"] = "fault"
+    rank: int
+    pid: int
+    generation: int
+    exc_type: str
+    summary: str
+    step: Optional[int] = None
+    secondary: bool = False            # a communication error most likely caused by another rank's fault
+    retryable: bool = True
+    traceback: str = ""
+
+
+class Ready(_Msg):
+    type: Literal["ready"] = "ready"
+    rank: int
+    pid: int
+    generation: int
+    abort_s: float = 0.0
+    finalize_s: float = 0.0
+    health_s: float = 0.0
+
+
+class Done(_Msg):
+    type: Literal["done"] = "done"
+    rank: int
+    pid: int
+    generation: int
+
+
+class Restart(_Msg):
+    type: Literal["restart"] = "restart"
+    generation: int
+    reason: str = ""
+
+
+class Go(_Msg):
+    type: Literal["go"] = "go"
+    generation: int
+    master_addr: str
+    master_port: int
+
+
+class Shutdown(_Msg):
+    type: Literal["shutdown"] = "shutdown"
+    reason: str = "complete"           # complete: every rank finished; stop: the job is ending
+    exit_code: int = 0
+
+
+InjectKind = Literal["kill", "segv", "exit", "raise", "hang", "hang-gil", "hang-c", "nvml-xid", "gpu-lost"]
+
+
+class Inject(_Msg):
+    type: Literal["inject"] = "inject"
+    kind: InjectKind
+    step: Optional[int] = None         # act when the rank reports progress >= step (None: now)
+    generation: Optional[int] = None   # only in this generation (None: the current one)
+    exit_code: int = 1
+    xid: Optional[int] = None
+
+
+class InjectRequest(_Msg):
+    type: Literal["inject_request"] = "inject_request"
+    rank: int
+    kind: InjectKind
+    step: Optional[int] = None
+    exit_code: int = 1
+    xid: Optional[int] = None
+
+
+class InjectReply(_Msg):
+    type: Literal["inject_reply"] = "inject_reply"
+    ok: bool
+    detail: str = ""
+
+
+Message = Annotated[Union[Hello, Heartbeat, Fault, Ready, Done, Restart, Go, Shutdown, Inject, InjectRequest,
+                          InjectReply], Field(discriminator="type")]
+_ADAPTER: TypeAdapter = TypeAdapter(Message)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid control message."""
+
+
+def encode(msg: _Msg) -> bytes:
+    return msg.model_dump_json(exclude_none=True).encode()
+
+
+def decode(frame: bytes) -> _Msg:
+    try:
+        return _ADAPTER.validate_json(frame)
+    except ValidationError as exc:
+        raise ProtocolError(f"malformed control message ({len(frame)} bytes): {exc.errors()[0].get('msg')}")

@@ -1,0 +1,1 @@
+"""The runtime embedded in workers: HPWrapper, health checks, abort/finalize, state and data helpers."""

@@ -1,0 +1,392 @@
+"""HPWrapper: run a training function again, in the same process, after a fault anywhere in the job.
+
+    @HPWrapper(health_check=CudaHealthCheck())
+    def main(cfg, caller=None):
+        dist.init_process_group("nccl")       # a plain env:// init works on every re-entry
+        ...
+        for step in ...:
+            caller.progress(step)
+
+Outside hyperpodrun --inprocess-restart (plain python, torchrun) the function is called once. Under it,
+each call is one generation: on a fault the rank aborts its process groups, finalizes, checks its
+health, reports READY and waits for GO with the next generation's store, then calls the function again
+with `caller.iteration` = the new generation (the same on every rank).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from hyperpodrun import env as E
+from hyperpodrun import protocol as P
+from hyperpodrun.errors import EXIT_WORKER_UNHEALTHY
+from hyperpodrun.runtime.abort import CheckpointlessAbortManager, CheckpointlessFinalizeCleanup
+from hyperpodrun.runtime.health import HealthCheckError
+from hyperpodrun.runtime.inject import Injector, execute
+from hyperpodrun.runtime.interrupt import Interrupter, RestartInterrupt
+
+log = logging.getLogger("hyperpodrun.runtime")
+
+#: deterministic programming errors: retrying them only burns time (override with fatal_exceptions=)
+DEFAULT_FATAL = (TypeError, NameError, AttributeError, SyntaxError, ImportError, NotImplementedError)
+
+_SECONDARY_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
+                      "communicator was aborted", "process group", "processgroup", "timed out",
+                      "connection refused", "has been aborted", "destroyed", "not initialized")
+
+
+def inprocess_enabled() -> bool:
+    """True when this process runs under `hyperpodrun --inprocess-restart`."""
+    return os.environ.get(E.HYPERPODRUN_INPROCESS) == "1" and bool(os.environ.get(E.HYPERPODRUN_CONTROL))
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def wait_rank(timeout: float = 600.0) -> RankInfo:
+    """Return once this process's rank environment is final.
+
+    Under hyperpodrun (and torchrun) it is final at spawn. In a plain `python train.py` a single-process
+    environment is filled in (rank 0 of 1, a free local port) so `init_process_group()` works unchanged.
+    """
+    deadline = time.monotonic() + timeout
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    launched = E.HYPERPODRUN_RUN_DIR in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    while launched and not all(k in os.environ for k in needed):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank environment incomplete after {timeout:g}s: missing "
+                               f"{[k for k in needed if k not in os.environ]}")
+        time.sleep(0.05)
+    if not launched:
+        import socket
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return RankInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+
+class CallWrapper:
+    """The `caller` argument of a wrapped function: where this call sits in the job's restart history."""
+
+    def __init__(self, iteration: int, restart_reason: str = "", session: Optional["_Session"] = None) -> None:
+        self.iteration = iteration
+        self.restart_reason = restart_reason
+        self.step: Optional[int] = None
+        self._session = session
+        self._store: Any = None
+
+    @property
+    def rank(self) -> int:
+        return int(os.environ.get("RANK", 0))
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    def progress(self, step: int) -> None:
+        """Mark progress (e.g. the index of the step about to run); heartbeats carry it to the agent."""
+        self.step = int(step)
+        if self._session is not None:
+            self._session.step = self.step
+            self._session.injector.fire_due(self.step, self.iteration)
+
+    @property
+    def store(self) -> Any:
+        """A client of this generation's store (keys do not leak into the next generation)."""
+        if self._store is None:
+            import torch.distributed as dist
+            from datetime import timedelta
+            raw = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timedelta(seconds=300))
+            self._store = dist.PrefixStore(f"hyperpodrun/user/{self.iteration}/", raw)
+        return self._store
+
+
+class _Session:
+    """This process's connection to the agent and its restart bookkeeping (one per process)."""
+
+    _instance: Optional["_Session"] = None
+
+    def __init__(self) -> None:
+        from hyperpodrun.runtime.control import ControlClient
+        self.rank = int(os.environ["RANK"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.generation = int(os.environ.get(E.HYPERPODRUN_GENERATION, 0))
+        self.step: Optional[int] = None
+        self.state = "running"
+        self.interrupter = Interrupter()
+        self.interrupter.install_optimizer_hooks()
+        self.injector = Injector()
+        self.go: dict[int, P.Go] = {}
+        self.shutdown: Optional[P.Shutdown] = None
+        self.reason = ""
+        self._cv = threading.Condition()
+        interval = float(os.environ.get(E.HYPERPODRUN_HEARTBEAT_INTERVAL, "1.0"))
+        self.client = ControlClient(os.environ[E.HYPERPODRUN_CONTROL], self.rank, interval, self._on_command,
+                                    self._status)
+        self.client.start(P.Hello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
+                                  generation=self.generation, **_device_ids(self.local_rank)))
+
+    @classmethod
+    def get(cls) -> "_Session":
+        if cls._instance is None or cls._instance.client.pid != os.getpid():
+            cls._instance = _Session()
+        return cls._instance
+
+    # monitor thread
+    def _status(self) -> dict:
+        return {"generation": self.generation, "step": self.step, "seq": _collective_seq(), "state": self.state}
+
+    def _on_command(self, msg: P._Msg) -> None:
+        if isinstance(msg, P.Restart):
+            self.reason = msg.reason
+            self.interrupter.request(msg.generation)
+        elif isinstance(msg, P.Inject):
+            if msg.step is None and msg.kind in ("kill", "segv", "exit"):
+                execute(msg, self.step)
+            else:
+                self.injector.arm(msg)
+            return
+        with self._cv:
+            if isinstance(msg, P.Go):
+                self.go[msg.generation] = msg
+            elif isinstance(msg, P.Shutdown):
+                self.shutdown = msg
+            self._cv.notify_all()
+
+    # main thread
+    def wait(self, done: Callable[[], bool]) -> None:
+        with self._cv:
+            while not done():
+                self._cv.wait(0.5)
+
+    def send(self, msg: P._Msg) -> None:
+        self.client.send(msg)
+
+
+def _device_ids(local_rank: int) -> dict:
+    """GPU UUID / PCI bus id for the agent's NVML monitor (only when CUDA is already in use)."""
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            return {"device_uuid": f"GPU-{props.uuid}",
+                    "pci_bus_id": f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"}
+    except Exception:
+        pass
+    return {}
+
+
+def _collective_seq() -> Optional[int]:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:
+        return None
+    return None
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Clear the locals of the failed call's frames so what they referenced (modules, DDP reducers, process
+    groups and their sockets) can be freed now, not when the exception object dies."""
+    tb = exc.__traceback__
+    while tb is not None:
+        try:
+            tb.tb_frame.clear()
+        except RuntimeError:  # a frame still executing (ours)
+            pass
+        tb = tb.tb_next
+    for chained in (exc.__cause__, exc.__context__):
+        if chained is not None and chained is not exc:
+            _drop_frames(chained)
+
+
+def _reset_torch_group_counter() -> None:
+    """A failed `init_process_group` leaves torch's group counter advanced, so the next init on this rank
+    would use other store keys than a fresh process. Reset it when no group exists (torch internals: guarded)."""
+    try:
+        import torch.distributed as dist
+        world = getattr(dist.distributed_c10d, "_world", None)
+        if world is not None and not dist.is_initialized() and hasattr(world, "group_count"):
+            world.group_count = 0
+    except Exception:
+        pass
+
+
+def _secondary(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return any(m in text for m in _SECONDARY_MARKERS)
+
+
+class HPWrapper:
+    """Decorator that makes a function a re-executable block under `hyperpodrun --inprocess-restart`.
+
+    health_check, abort, finalize: callables run at every restart (defaults: no health check, abort the
+    process groups, end child processes and collect garbage). abort_timeout: seconds abort may take before
+    this process gives up and is replaced. checkpoint_manager: restores state on re-entry (see
+    CheckpointManager). fatal_exceptions: exception classes that end the job instead of restarting it.
+    """
+
+    def __init__(self, *, health_check: Optional[Callable[[], Any]] = None,
+                 abort: Optional[Callable[[], Any]] = None, finalize: Optional[Callable[[], Any]] = None,
+                 abort_timeout: float = 60.0, checkpoint_manager: Any = None, hp_api_factory: Any = None,
+                 fatal_exceptions: tuple[type[BaseException], ...] = DEFAULT_FATAL) -> None:
+        if abort_timeout <= 0:
+            raise ValueError(f"HPWrapper(abort_timeout={abort_timeout}): must be positive seconds")
+        self.health_check = health_check
+        self.abort = abort if abort is not None else CheckpointlessAbortManager.get_default_checkpointless_abort()
+        self.finalize = finalize if finalize is not None else CheckpointlessFinalizeCleanup()
+        self.abort_timeout = abort_timeout
+        self.checkpoint_manager = checkpoint_manager
+        self.hp_api_factory = hp_api_factory
+        self.fatal_exceptions = tuple(fatal_exceptions)
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("caller", None)
+            if not inprocess_enabled():
+                caller = CallWrapper(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0))
+                return fn(*args, caller=caller, **kwargs)
+            return self._run(fn, args, kwargs)
+        return wrapped
+
+    # ------------------------------------------------------------------------------------------------
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        sess = _Session.get()
+        gen = sess.generation
+        need_go = gen > 0
+        while True:
+            if need_go:
+                gen = self._ready_and_go(sess, gen)
+            need_go = True
+            caller = CallWrapper(gen, sess.reason, sess)
+            if self.checkpoint_manager is not None and hasattr(self.checkpoint_manager, "_attach"):
+                self.checkpoint_manager._attach(caller, sess)
+            sess.state = "running"
+            _reset_torch_group_counter()
+            t_fault: Optional[float] = None
+            try:
+                sess.interrupter.enter_fn(gen)
+                try:
+                    result = fn(*args, caller=caller, **kwargs)
+                finally:
+                    sess.interrupter.leave_fn()
+            except RestartInterrupt as exc:
+                t_fault = time.monotonic()
+                sess.state = "recovering"
+                _drop_frames(exc)
+                del exc
+                target = sess.interrupter.target
+            except (SystemExit, KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as exc:
+                t_fault = time.monotonic()
+                sess.state = "recovering"
+                retryable = not isinstance(exc, self.fatal_exceptions)
+                secondary = sess.interrupter.target > gen or _secondary(exc)
+                tb_text = "".join(traceback.format_exception(exc))[-4000:]
+                if retryable:
+                    _drop_frames(exc)   # the failed frames hold the model/DDP, which hold the process group
+                self._abort(sess)   # first: our peers blocked in a collective with us fail fast
+                sess.send(P.Fault(rank=sess.rank, pid=os.getpid(), generation=gen, exc_type=type(exc).__name__,
+                                  summary=str(exc)[:500], step=sess.step, secondary=secondary, retryable=retryable,
+                                  traceback=tb_text))
+                if not retryable:
+                    log.error("rank %d: %s is not retried (HPWrapper fatal_exceptions); ending the job",
+                              sess.rank, type(exc).__name__)
+                    raise
+                log.warning("rank %d: %s in generation %d; waiting for the restart", sess.rank,
+                            type(exc).__name__, gen)
+                sess.wait(lambda: sess.interrupter.target > gen or sess.shutdown is not None)
+                del exc
+                if sess.shutdown is not None:
+                    raise SystemExit(sess.shutdown.exit_code or 1)
+                target = sess.interrupter.target
+            else:
+                sess.state = "done"
+                sess.send(P.Done(rank=sess.rank, pid=os.getpid(), generation=gen))
+                sess.wait(lambda: sess.interrupter.target > gen or sess.shutdown is not None)
+                if sess.shutdown is not None and sess.interrupter.target <= gen:
+                    sess.client.close()
+                    return result
+                target = sess.interrupter.target
+                del result
+            gen = self._recover(sess, target, t_fault)
+
+    def _abort(self, sess: _Session) -> float:
+        """Run abort within abort_timeout; past it this process cannot recover and exits to be replaced."""
+        t0 = time.monotonic()
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                self.abort()
+            except Exception as exc:
+                box["error"] = exc
+        t = threading.Thread(target=run, name="hyperpodrun-abort", daemon=True)
+        t.start()
+        t.join(self.abort_timeout)
+        if t.is_alive():
+            log.error("rank %d: abort did not finish within %gs; exiting so the agent replaces this process",
+                      sess.rank, self.abort_timeout)
+            os._exit(EXIT_WORKER_UNHEALTHY)
+        if "error" in box:
+            log.warning("rank %d: abort raised %r", sess.rank, box["error"])
+        return time.monotonic() - t0
+
+    def _recover(self, sess: _Session, target: int, t_fault: Optional[float]) -> int:
+        """abort -> finalize -> health check; returns the generation to report READY for."""
+        sess.state = "recovering"
+        abort_s = self._abort(sess)
+        t1 = time.monotonic()
+        self.finalize()
+        finalize_s = time.monotonic() - t1
+        t2 = time.monotonic()
+        if self.health_check is not None:
+            try:
+                self.health_check()
+            except HealthCheckError as exc:
+                log.error("rank %d failed its health check (%s); exiting so the agent replaces it", sess.rank, exc)
+                sys.stderr.flush()
+                os._exit(EXIT_WORKER_UNHEALTHY)
+        sess.timings = (abort_s, finalize_s, time.monotonic() - t2)  # type: ignore[attr-defined]
+        return target
+
+    def _ready_and_go(self, sess: _Session, gen: int) -> int:
+        """READY(gen), then wait for GO(gen) - or a newer RESTART (report READY again) or SHUTDOWN."""
+        timings = getattr(sess, "timings", (0.0, 0.0, 0.0))
+        while True:
+            gen = max(gen, sess.interrupter.target)
+            sess.generation = gen
+            sess.state = "waiting"
+            sess.send(P.Ready(rank=sess.rank, pid=os.getpid(), generation=gen, abort_s=timings[0],
+                              finalize_s=timings[1], health_s=timings[2]))
+            sess.wait(lambda: gen in sess.go or sess.interrupter.target > gen or sess.shutdown is not None)
+            if sess.shutdown is not None:
+                raise SystemExit(sess.shutdown.exit_code)
+            if gen in sess.go and sess.interrupter.target <= gen:
+                go = sess.go[gen]
+                os.environ.update({"MASTER_ADDR": go.master_addr, "MASTER_PORT": str(go.master_port),
+                                   "TORCHELASTIC_RESTART_COUNT": str(gen), E.HYPERPODRUN_GENERATION: str(gen)})
+                return gen
