@@ -128,6 +128,10 @@ class InProcess:
                                    rank=st.rank, generation=r.target, duration_s=now - r.t_detect,
                                    abort_s=msg.abort_s, finalize_s=msg.finalize_s, health_s=msg.health_s,
                                    level=logging.DEBUG)
+        elif isinstance(msg, P.Restored):
+            self.a.events.emit("state_restored", f"state restored at step {msg.step} from {msg.source} "
+                               f"({msg.lost_steps} step(s) lost to the fault)", generation=msg.generation,
+                               step=msg.step, lost_steps=msg.lost_steps, source=msg.source)
         elif isinstance(msg, P.Done):
             st.done_gen = max(st.done_gen, msg.generation)
             st.state = "done"
@@ -138,9 +142,10 @@ class InProcess:
                 "step": msg.step, "secondary": msg.secondary, "generation": msg.generation,
                 "exit_code": 1, "cause": f"{msg.exc_type}: {msg.summary}"}
         if not msg.retryable:
-            self.a.events.emit("fault_fatal", f"rank {st.rank} raised {msg.exc_type}: {msg.summary} - not retried "
-                               "(HPWrapper fatal_exceptions); ending the job", rank=st.rank, level=logging.ERROR)
-            self.a.fail_job(info, info["exit_code"])
+            info["exit_code"] = msg.exit_code
+            self.a.events.emit("fault_fatal", f"rank {st.rank} raised {msg.exc_type}: {msg.summary} - not retried; "
+                               f"ending the job (exit code {msg.exit_code})", rank=st.rank, level=logging.ERROR)
+            self.a.fail_job(info, msg.exit_code)
             return
         if msg.generation < self.a.generation and self.round is None:
             return  # a late report from an older generation
@@ -167,10 +172,6 @@ class InProcess:
         now = time.monotonic()
         r = self.round
         if r is None:
-            if self.completing and not failed:
-                pass
-            if self._step_guard(info):
-                return
             target, _, _ = self.a.coord.request_restart(self.a.generation, info, count_budget=False)  # type: ignore
             self._begin_round(target, info, now)
             r = self.round
@@ -184,6 +185,7 @@ class InProcess:
             self._respawn(lr)
 
     def _step_guard(self, info: dict[str, Any]) -> bool:
+        """Called once per round with its root cause: True when the same step keeps failing (job ended)."""
         key = (info.get("step"),)
         if key == self.last_fault_step:
             self.step_failures += 1
@@ -206,7 +208,7 @@ class InProcess:
         r = self.round
         if (r is not None and gen <= r.target) or (r is None and gen <= self.a.generation):
             return
-        info = {"host": "?", "summary": f"another node started generation {gen}", "secondary": True}
+        info = {"host": "?", "summary": f"another node started generation {gen}", "secondary": True, "remote": True}
         self._begin_round(gen, info, time.monotonic())
 
     def _begin_round(self, target: int, info: dict[str, Any], now: float) -> None:
@@ -257,6 +259,8 @@ class InProcess:
         live = {lr: p for lr, p in self.a.sup.workers.items() if p.alive}  # type: ignore[union-attr]
         # heartbeat loss: a rank that said HELLO and went silent (dead or holding the GIL)
         for lr, st in self.ranks.items():
+            if self.completing:
+                break   # released workers close their connection while they exit
             if lr in live and st.hello and not st.killed and now - st.last_beat > self.cfg.heartbeat_timeout:
                 info = {"host": self.a.host, "rank": st.rank, "local_rank": lr, "pid": st.pid, "step": st.step,
                         "summary": f"rank {st.rank} (pid {st.pid}) sent no heartbeat for "
@@ -351,6 +355,9 @@ class InProcess:
 
     def _go(self, r: Round, port: int, now: float) -> None:
         a = self.a
+        if not r.root.get("remote") and self._step_guard(r.root):
+            self.round = None
+            return
         a.events.emit("barrier_complete", f"every rank ready for generation {r.target}", generation=r.target,
                       duration_s=now - r.t_detect)
         go = P.Go(generation=r.target, master_addr=a.rdzv.master_addr, master_port=port)  # type: ignore

@@ -18,6 +18,8 @@ _LAZY = {
     "CheckpointlessAbortManager": "hyperpodrun.runtime.abort",
     "CheckpointlessFinalizeCleanup": "hyperpodrun.runtime.abort",
     "AbortProcessGroups": "hyperpodrun.runtime.abort",
+    "CheckpointManager": "hyperpodrun.runtime.checkpoint",
+    "StateLostError": "hyperpodrun.runtime.checkpoint",
 }
 
 __all__ = ["__version__", *_LAZY]

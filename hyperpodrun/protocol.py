@@ -46,6 +46,7 @@ class Fault(_Msg):
     step: Optional[int] = None
     secondary: bool = False            # a communication error most likely caused by another rank's fault
     retryable: bool = True
+    exit_code: int = 1                 # for a fault that ends the job (not retryable)
     traceback: str = ""
 
 
@@ -57,6 +58,16 @@ class Ready(_Msg):
     abort_s: float = 0.0
     finalize_s: float = 0.0
     health_s: float = 0.0
+
+
+class Restored(_Msg):
+    type: Literal["restored"] = "restored"
+    rank: int
+    pid: int
+    generation: int
+    step: int
+    lost_steps: int = 0
+    source: str = "memory"
 
 
 class Done(_Msg):
@@ -112,7 +123,7 @@ class InjectReply(_Msg):
     detail: str = ""
 
 
-Message = Annotated[Union[Hello, Heartbeat, Fault, Ready, Done, Restart, Go, Shutdown, Inject, InjectRequest,
+Message = Annotated[Union[Hello, Heartbeat, Fault, Ready, Restored, Done, Restart, Go, Shutdown, Inject, InjectRequest,
                           InjectReply], Field(discriminator="type")]
 _ADAPTER: TypeAdapter = TypeAdapter(Message)
 

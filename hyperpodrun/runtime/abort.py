@@ -25,8 +25,15 @@ class Abort:
 
 
 class AbortProcessGroups(Abort):
-    """NCCL: abort the communicators (unblocks kernels in flight). gloo: destroy the groups, which closes
-    their sockets so every peer still inside a collective with us fails within milliseconds."""
+    """Tear down the failed generation's process groups.
+
+    NCCL: abort the communicators (unblocks kernels and collectives in flight). gloo: an abort does not
+    unblock a collective in flight (verified); what does is the peer's sockets closing, which happens when
+    the group object is destroyed - so the group is removed from torch's registry and collected at once
+    (HPWrapper first clears the failed frames, which hold the model, DDP reducer and group). Measured on
+    4 CPU ranks: a peer blocked in an all-reduce with a failed rank is released within ~0.5 s per hop.
+    Then `init_process_group()` works again.
+    """
 
     def __call__(self) -> None:
         try:
@@ -45,11 +52,11 @@ class AbortProcessGroups(Abort):
             if abort_pg is not None:
                 try:
                     abort_pg()
-                    return
-                except Exception as exc:  # fall back to a plain destroy
+                except Exception as exc:
                     log.warning("NCCL abort failed (%s); destroying the process group instead", exc)
         try:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception as exc:
             log.warning("destroy_process_group failed (%s); dropping the group", exc)
             try:
@@ -57,7 +64,8 @@ class AbortProcessGroups(Abort):
                 dist.distributed_c10d.GroupMember.WORLD = None  # type: ignore[attr-defined]
             except Exception:
                 pass
-        # gloo closes its sockets only when the last reference to the group goes away
+        # gloo closes its sockets - which is what releases peers blocked in a collective with us - only
+        # when the last reference to the group is gone
         gc.collect()
 
 

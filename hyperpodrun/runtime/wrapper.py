@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 from hyperpodrun import env as E
 from hyperpodrun import protocol as P
 from hyperpodrun.errors import EXIT_WORKER_UNHEALTHY
+from hyperpodrun.runtime.checkpoint import StateLostError
 from hyperpodrun.runtime.abort import CheckpointlessAbortManager, CheckpointlessFinalizeCleanup
 from hyperpodrun.runtime.health import HealthCheckError
 from hyperpodrun.runtime.inject import Injector, execute
@@ -303,18 +304,25 @@ class HPWrapper:
             except BaseException as exc:
                 t_fault = time.monotonic()
                 sess.state = "recovering"
-                retryable = not isinstance(exc, self.fatal_exceptions)
+                retryable = not isinstance(exc, self.fatal_exceptions) and not isinstance(exc, StateLostError)
                 secondary = sess.interrupter.target > gen or _secondary(exc)
                 tb_text = "".join(traceback.format_exception(exc))[-4000:]
-                if retryable:
-                    _drop_frames(exc)   # the failed frames hold the model/DDP, which hold the process group
-                self._abort(sess)   # first: our peers blocked in a collective with us fail fast
+                # report first (a non-blocking send), then tear our groups down so that peers blocked in a
+                # collective with us fail fast - their "connection closed" then arrives after our root cause
+                exit_code = int(getattr(exc, "exit_code", 1) or 1) if not retryable else 1
                 sess.send(P.Fault(rank=sess.rank, pid=os.getpid(), generation=gen, exc_type=type(exc).__name__,
                                   summary=str(exc)[:500], step=sess.step, secondary=secondary, retryable=retryable,
-                                  traceback=tb_text))
+                                  exit_code=exit_code, traceback=tb_text))
+                if retryable:
+                    _drop_frames(exc)   # the failed frames hold the model/DDP, which hold the process group
+                self._abort(sess)
                 if not retryable:
-                    log.error("rank %d: %s is not retried (HPWrapper fatal_exceptions); ending the job",
-                              sess.rank, type(exc).__name__)
+                    log.error("rank %d: %s is not retried; ending the job", sess.rank, type(exc).__name__)
+                    if exit_code != 1:
+                        sys.stderr.write(tb_text)
+                        sys.stderr.flush()
+                        sess.client.close()
+                        os._exit(exit_code)
                     raise
                 log.warning("rank %d: %s in generation %d; waiting for the restart", sess.rank,
                             type(exc).__name__, gen)

@@ -1,0 +1,100 @@
+"""Training worker for the checkpointless exactness tests: a hand-written all-reduce loop, DDP or FSDP2.
+
+Deterministic (data indexed by step and rank, fixed seeds); saves state after every optimizer step with
+CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-separated list of
+`kind:rank:step:where` fired once in generation `gen` (kind kill|raise; where: top|allreduce|prestep).
+At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt.
+"""
+import datetime
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hyperpodrun import CheckpointManager, HPWrapper
+
+MODE = os.environ.get("MODE", "allreduce")
+STEPS = int(os.environ.get("STEPS", "12"))
+OUT_DIR = os.environ["OUT_DIR"]
+DIM = int(os.environ.get("DIM", "256"))
+FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
+cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
+                       enable_offload=os.environ.get("OFFLOAD") == "1",
+                       fallback_dir=os.environ.get("FALLBACK_DIR") or None)
+
+
+def maybe_fault(where, step, rank, generation):
+    for i, (kind, frank, fstep, fwhere, *gen) in enumerate(FAULTS):
+        fgen = int(gen[0]) if gen else 0
+        if fwhere == where and int(frank) == rank and int(fstep) == step and fgen == generation:
+            if kind == "wipe-kill":   # the rank's snapshots are lost with it (as when its node is lost)
+                import shutil
+                shutil.rmtree(cm.slot_dir(), ignore_errors=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected {kind} at step {step} ({where})")
+
+
+def build(rank):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, 4 * DIM), nn.GELU(),
+                          nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
+    if MODE == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+    elif MODE == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        net = fully_shard(model)
+    else:
+        net = model
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    return net, opt
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, DIM, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.1
+
+
+@HPWrapper(checkpoint_manager=cm, abort_timeout=30)
+def main(caller=None):
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net, opt = build(rank)
+    state = {"model": net, "opt": opt}
+    start = cm.restore(state) or 0
+    with open(os.path.join(OUT_DIR, f"entries.rank{rank}"), "a") as fh:
+        fh.write(f"{caller.iteration} {start} {os.getpid()}\n")
+    for step in range(start, STEPS):
+        caller.progress(step)
+        maybe_fault("top", step, rank, caller.iteration)
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if MODE == "allreduce":
+            maybe_fault("allreduce", step, rank, caller.iteration)
+            for p in net.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+        maybe_fault("prestep", step, rank, caller.iteration)
+        opt.step()
+        cm.save(step + 1, state)
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in net.state_dict().items()}
+    osd = opt.state_dict()["state"]
+    ost = {k: {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() if torch.is_tensor(t) else t
+               for n, t in s.items()} for k, s in osd.items()}
+    torch.save({"model": full, "opt": ost}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
