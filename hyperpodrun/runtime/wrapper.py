@@ -222,6 +222,19 @@ def _drop_frames(exc: BaseException) -> None:
             _drop_frames(chained)
 
 
+def _preload_torch_modules() -> None:
+    """Import torch._dynamo before the user's first process group exists.
+
+    Imported later (torch.optim does it lazily), it keeps Python references to the process groups that
+    exist at that moment (measured on torch 2.13: +10), so a failed gloo group is never destroyed, its
+    sockets stay open and peers blocked in a collective with it are not released.
+    """
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:
+        pass
+
+
 def _reset_torch_group_counter() -> None:
     """A failed `init_process_group` leaves torch's group counter advanced, so the next init on this rank
     would use other store keys than a fresh process. Reset it when no group exists (torch internals: guarded)."""
@@ -274,6 +287,7 @@ class HPWrapper:
 
     # ------------------------------------------------------------------------------------------------
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        _preload_torch_modules()
         sess = _Session.get()
         gen = sess.generation
         need_go = gen > 0

@@ -1,0 +1,133 @@
+"""CheckpointManager: recovered runs end bitwise equal to fault-free runs (CPU, 4 ranks), corrupt snapshots
+are never used, lost state ends the job with exit code 75 or recovers from the disk fallback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "scripts", "ckpt_worker.py")
+HYPERPODRUN = os.path.join(os.path.dirname(sys.executable), "hyperpodrun")
+
+
+def run_job(tmp_path, name: str, mode: str, faults: str = "", extra_env: dict | None = None,
+            timeout: float = 240) -> tuple[int, str, str]:
+    out = tmp_path / name
+    out.mkdir()
+    env = dict(os.environ, MODE=mode, OUT_DIR=str(out), FAULTS=faults, STEPS="10", DIM="64",
+               HYPERPODRUN_SHM_DIR=str(tmp_path / "shm"))
+    env.update(extra_env or {})
+    cmd = [HYPERPODRUN, "--nproc-per-node", "4", "--inprocess-restart", "--heartbeat-interval", "0.5",
+           "--heartbeat-timeout", "10", "--inprocess-timeout", "60", "--log-dir", str(tmp_path / f"logs-{name}"),
+           "--rdzv-id", name, WORKER]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"job {name} timed out:\n{stderr.decode()[-3000:]}")
+    return proc.returncode, str(out), stderr.decode()
+
+
+def events(tmp_path, name: str) -> list[dict]:
+    run_dir = tmp_path / f"logs-{name}" / name
+    recs = []
+    for f in run_dir.glob("*.events.jsonl"):
+        recs += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return recs
+
+
+def assert_same(ref_dir: str, got_dir: str) -> None:
+    for rank in range(4):
+        a = torch.load(os.path.join(ref_dir, f"rank{rank}.pt"))
+        b = torch.load(os.path.join(got_dir, f"rank{rank}.pt"))
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), f"rank {rank}: parameter {k} differs"
+        for pid, st in a["opt"].items():
+            for n, v in st.items():
+                if torch.is_tensor(v):
+                    assert torch.equal(v, b["opt"][pid][n]), f"rank {rank}: optimizer state {pid}.{n} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Fault-free runs, one per mode, computed on first use."""
+    cache: dict[str, str] = {}
+
+    def get(mode: str) -> str:
+        if mode not in cache:
+            tmp = tmp_path_factory.mktemp(f"ref-{mode}")
+            rc, out, err = run_job(tmp, "ref", mode)
+            assert rc == 0, err[-3000:]
+            cache[mode] = out
+        return cache[mode]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,faults", [
+    # SIGKILL of a rank mid-training, then an exception inside the gradient all-reduce
+    ("allreduce", "kill:2:4:top;raise:1:6:allreduce:1"),
+    # an exception between backward and optimizer step, then SIGKILL of rank 0 (checksum + offload on)
+    ("allreduce", "raise:3:3:prestep;kill:0:7:top:1"),
+    # FSDP2 shards (DTensor): SIGKILL, then an exception between backward and step
+    ("fsdp2", "kill:1:4:top;raise:2:7:prestep:1"),
+])
+def test_recovered_run_is_bitwise_equal(tmp_path, reference, mode, faults):
+    rc, out, err = run_job(tmp_path, "faulty", mode, faults,
+                           extra_env={"CHECKSUM": "1", "OFFLOAD": "1"} if "kill:0" in faults else None)
+    assert rc == 0, err[-3000:]
+    assert_same(reference(mode), out)
+    restored = [e for e in events(tmp_path, "faulty") if e["event"] == "state_restored"]
+    assert restored, "no state_restored event in the agent log"
+    assert all(e["lost_steps"] <= 1 for e in restored)
+    assert all(e["step"] > 0 for e in restored), "a restart went back to step 0"
+
+
+def test_corrupt_snapshot_is_detected_and_never_used(tmp_path, monkeypatch):
+    from hyperpodrun import CheckpointManager
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "corrupt-test")
+    monkeypatch.setenv("RANK", "0")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cm = CheckpointManager(enable_checksum=True, shm_dir=str(tmp_path))
+    cm.save(1, {"model": model, "opt": opt})
+    saved_at_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    cm.save(2, {"model": model, "opt": opt})
+    slot = os.path.join(cm.slot_dir(), "slot0")   # step 2 lives in slot 0
+    data = bytearray(open(slot, "rb").read())
+    data[-10] ^= 0xFF                             # flip one byte of the payload
+    open(slot, "wb").write(bytes(data))
+    fresh = torch.nn.Linear(4, 4)
+    step = cm.restore({"model": fresh, "opt": torch.optim.SGD(fresh.parameters(), lr=0.1)})
+    assert step == 1
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, saved_at_1[k])
+
+
+@pytest.mark.slow
+def test_state_lost_ends_with_documented_code_never_step_zero(tmp_path):
+    rc, out, err = run_job(tmp_path, "lost", "allreduce", "wipe-kill:2:4:top")
+    assert rc == 75, err[-3000:]
+    assert "survives nowhere" in err
+    entries = open(os.path.join(out, "entries.rank0")).read().split()
+    assert entries[:2] == ["0", "0"] and len(entries) == 3, f"a rank restarted training: {entries}"
+
+
+@pytest.mark.slow
+def test_state_lost_recovers_from_disk_fallback(tmp_path, reference):
+    rc, out, err = run_job(tmp_path, "fallback", "allreduce", "wipe-kill:2:4:top",
+                           extra_env={"FALLBACK_DIR": str(tmp_path / "fallback")})
+    assert rc == 0, err[-3000:]
+    restored = [e for e in events(tmp_path, "fallback") if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "disk"
+    assert_same(reference("allreduce"), out)
