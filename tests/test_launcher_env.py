@@ -1,0 +1,88 @@
+"""The worker environment contract: torchrun's variables with torchrun's values, plus documented ones of ours."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import hyperpodrun.env as env_module
+from conftest import TORCHRUN, script, the_run_dir
+
+# Every variable hyperpodrun adds to a worker's environment beyond torchrun's, and what it means. A new
+# variable in hyperpodrun/env.py must be added here (and to the README's "Worker environment").
+DOCUMENTED_OURS = {
+    "HYPERPODRUN_CONTROL": "ipc:// endpoint of the agent's control server (in-process restart)",
+    "HYPERPODRUN_RUN_DIR": "the run's log directory, <log-dir>/<run-id>",
+    "HYPERPODRUN_GENERATION": "restart generation this process was started in",
+    "HYPERPODRUN_INPROCESS": "'1' under --inprocess-restart",
+    "HYPERPODRUN_NODE_RANK": "this node's rank (torchrun's GROUP_RANK)",
+    "HYPERPODRUN_HOST": "host name used in log prefixes and failure reports",
+    "HYPERPODRUN_HEARTBEAT_INTERVAL": "seconds between heartbeats (in-process restart)",
+    "HYPERPODRUN_AGENT_PID": "pid of the hyperpodrun agent",
+    "HYPERPODRUN_ROOTLESS": "'1': the workers' store is hosted by the agent, a fresh one per generation",
+    "PYTHONUNBUFFERED": "'1' unless the user set it, so worker lines reach the per-rank files at once",
+}
+
+# torchrun variables whose values legitimately differ between two launches: ports, paths and run ids
+VARYING = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
+def _envs(directory):
+    return {int(name[4:-5]): json.load(open(os.path.join(directory, name)))
+            for name in os.listdir(directory) if name.startswith("env_") and name.endswith(".json")}
+
+
+def test_documented_list_matches_env_module():
+    """The list above and hyperpodrun/env.py name the same variables of ours."""
+    defined = {value for name, value in vars(env_module).items()
+               if name.startswith("HYPERPODRUN_") and isinstance(value, str)}
+    documented = {name for name in DOCUMENTED_OURS if name.startswith("HYPERPODRUN_")}
+    assert defined == documented
+    with open(env_module.__file__) as fh:
+        source = fh.read()
+    for name in DOCUMENTED_OURS:
+        assert f'"{name}"' in source, f"{name} is documented in the test but not set in hyperpodrun/env.py"
+
+
+def test_worker_env_matches_torchrun(launcher, tmp_path):
+    """Same script under `hyperpodrun --nproc-per-node 4` and `torchrun --nproc-per-node 4`: every torchrun
+    variable is there with torchrun's value, apart from ports, paths and run ids; ours are documented."""
+    ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "torchrun"
+    ours_dir.mkdir()
+    theirs_dir.mkdir()
+    ours = launcher.start(["--nproc-per-node", "4", script("dump_env.py"), ours_dir])
+    theirs = launcher.start(["--nproc-per-node", "4", script("dump_env.py"), theirs_dir], cmd=[TORCHRUN])
+    res_ours, res_theirs = ours.wait(60), theirs.wait(60)
+    assert res_ours.rc == 0, res_ours
+    assert res_theirs.rc == 0, res_theirs
+    ours_env, theirs_env = _envs(ours_dir), _envs(theirs_dir)
+    assert sorted(ours_env) == sorted(theirs_env) == [0, 1, 2, 3]
+    base = launcher.env()
+    run_dir = the_run_dir(launcher.log_dir)
+
+    for rank in range(4):
+        o, t = ours_env[rank], theirs_env[rank]
+        torchrun_vars = {k for k in t if base.get(k) != t[k]}   # what torchrun set or changed
+        assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"} <= torchrun_vars
+        missing = sorted(set(t) - set(o))
+        assert not missing, f"rank {rank}: torchrun sets {missing}, hyperpodrun does not"
+        different = {k: (o[k], t[k]) for k in sorted(set(t) - VARYING) if o[k] != t[k]}
+        assert not different, f"rank {rank}: values differ from torchrun's (ours, torchrun's): {different}"
+        assert o["OMP_NUM_THREADS"] == t["OMP_NUM_THREADS"] == "1"
+        # the varying ones still have torchrun's form
+        assert o["MASTER_PORT"].isdigit() and 0 < int(o["MASTER_PORT"]) < 65536
+        assert o["TORCHELASTIC_RUN_ID"] and o["TORCHELASTIC_RUN_ID"] == os.path.basename(run_dir)
+        assert os.path.basename(o["TORCHELASTIC_ERROR_FILE"]) == os.path.basename(t["TORCHELASTIC_ERROR_FILE"])
+        assert o["TORCHELASTIC_ERROR_FILE"].startswith(str(run_dir) + os.sep)
+
+        extra = sorted(set(o) - set(t))
+        undocumented = [k for k in extra if k not in DOCUMENTED_OURS]
+        assert not undocumented, f"rank {rank}: undocumented variables added by hyperpodrun: {undocumented}"
+        assert o["HYPERPODRUN_RUN_DIR"] == str(run_dir)
+        assert o["HYPERPODRUN_GENERATION"] == o["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert o["HYPERPODRUN_NODE_RANK"] == o["GROUP_RANK"] == "0"
+        assert o["HYPERPODRUN_AGENT_PID"] == str(ours.pid)
+        assert o["HYPERPODRUN_HOST"] == socket.gethostname()
+    # all ranks share one run id, one store, one world
+    for key in ("TORCHELASTIC_RUN_ID", "MASTER_PORT"):
+        assert len({ours_env[r][key] for r in range(4)}) == 1, key
