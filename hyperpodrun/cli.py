@@ -101,6 +101,13 @@ def _check_log_dir(path: str) -> str:
     return path
 
 
+def _split_args(flag: str, text: Optional[str]) -> list[str]:
+    try:
+        return shlex.split(text or "")
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {text!r}: {exc} (give the arguments as one shell-quoted string)")
+
+
 def _validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -156,6 +163,10 @@ def build_config(opts: dict[str, Any], script: str, script_args: tuple[str, ...]
         if not single and endpoint:
             rdzv_host, rdzv_port = parse_endpoint(endpoint, default_port=rdzv_port)
             master_addr = rdzv_host
+        if not single and rdzv_port == 0:
+            flag = "--rdzv-endpoint" if endpoint else "--master-port"
+            raise ConfigError(f"{flag}: port 0 cannot be found by the other nodes; give every node the same fixed "
+                              "port (e.g. --master-port 29500)")
     if single and node_rank not in (None, 0):
         raise ConfigError(f"--node-rank {node_rank} with one node; it must be 0 (or give --nnodes)")
 
@@ -168,7 +179,14 @@ def build_config(opts: dict[str, Any], script: str, script_args: tuple[str, ...]
         if not (os.path.isfile(entry) or shutil.which(entry)):
             raise ConfigError(f"--no-python: program {entry!r} is neither a file nor on PATH")
 
-    join_timeout = float(conf.get("join_timeout", conf.get("timeout", 600)))
+    join_key = "join_timeout" if "join_timeout" in conf else "timeout"
+    try:
+        join_timeout = float(conf.get(join_key, 600))
+    except ValueError:
+        join_timeout = float("nan")
+    if not 0 < join_timeout < float("inf"):
+        raise ConfigError(f"--rdzv-conf {join_key}={conf[join_key]} is not a positive number of seconds "
+                          "(e.g. --rdzv-conf join_timeout=900)")
     sigs = [parse_signal(s, "--signals-to-handle") for s in
             filter(None, (x.strip() for x in (opts["signals_to_handle"] or "").split(",")))]
     shutdown_timeout = opts["shutdown_timeout"]
@@ -208,8 +226,10 @@ def build_config(opts: dict[str, Any], script: str, script_args: tuple[str, ...]
             else {},
             tee=parse_std_map(opts["tee"], "--tee", nproc) if opts["tee"] not in (None, "0") else {},
             local_ranks_filter=local_filter,
-            pre_train_script=opts["pre_train_script"], pre_train_args=shlex.split(opts["pre_train_args"] or ""),
-            post_train_script=opts["post_train_script"], post_train_args=shlex.split(opts["post_train_args"] or ""),
+            pre_train_script=opts["pre_train_script"],
+            pre_train_args=_split_args("--pre-train-args", opts["pre_train_args"]),
+            post_train_script=opts["post_train_script"],
+            post_train_args=_split_args("--post-train-args", opts["post_train_args"]),
         )
     except ValidationError as exc:
         raise ConfigError(_validation_message(exc))

@@ -81,6 +81,11 @@ def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool
             if not follow:
                 return
             time.sleep(0.5)
+    if rank is not None and not follow and not _rank_files(run, rank):
+        found = (re.search(r"rank_(\d+)/", p) for p in _rank_files(run, None))
+        here = sorted({int(m.group(1)) for m in found if m})
+        raise click.UsageError(f"no log files for rank {rank} in {run} (ranks here: "
+                               f"{', '.join(map(str, here)) or 'none'})")
     offsets: dict[str, int] = {}
     while True:
         for path in _rank_files(run, rank):
