@@ -296,7 +296,19 @@ def launch(training_script: str, training_script_args: tuple[str, ...], **opts: 
         raise _fail(str(exc))
     _setup_logging()
     from agent.agent import Agent  # the agent (and torch) load only once the flags are valid
-    sys.exit(Agent(cfg).run())
+    _exit_now(Agent(cfg).run())
+
+
+def _exit_now(code: int) -> None:
+    """The agent has ended its workers and cleaned up: exit without the interpreter's teardown of torch, which
+    costs ~0.5 s of CPU (seconds on a busy node) between the last worker's end and our exit."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _setup_logging() -> None:
