@@ -4,12 +4,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+import time
 
 import pytest
 
 import hyperpodrun
-from conftest import HYPERPODRUN, count_files, read_events, read_markers, script, the_run_dir
+from conftest import (count_files, describe_pids, is_alive, read_events, read_markers, script, the_run_dir,
+                      wait_until)
 
 BEHAVE = script("behave.py")
 
@@ -333,3 +336,39 @@ def test_failing_post_train_script_sets_the_exit_code(launcher, tmp_path, out_di
     assert res.rc == 4, res
     assert re.search(r"post-train script .*post\.sh.* failed with exit code 4", res.err), res
     assert count_files(out_dir, "done_*") == 2
+
+
+def _start_with_sleeping_pre_train(launcher, tmp_path, out_dir):
+    """hyperpodrun whose pre-train script leaves a `sleep` running; returns once both are up."""
+    pre = tmp_path / "pre.sh"
+    pre.write_text(f'sleep 600 &\necho $! > "{out_dir}/.sleep"\nmv "{out_dir}/.sleep" "{out_dir}/sleep_pid"\nwait\n')
+    proc = launcher.start(["--nproc-per-node", "2", "--shutdown-timeout", "2", "--pre-train-script", pre,
+                           BEHAVE, "--out", out_dir])
+    wait_until(lambda: (out_dir / "sleep_pid").exists() or proc.popen.poll() is not None, 30,
+               message="pre-train script running")
+    assert proc.popen.poll() is None, proc.err()
+    return proc, int((out_dir / "sleep_pid").read_text())
+
+
+def test_sigterm_during_pre_train_script_stops_it(launcher, tmp_path, out_dir):
+    """A container stop while the pre-train script runs: the script gets the signal, no worker starts,
+    hyperpodrun exits 143 at once instead of waiting for the script."""
+    proc, sleep_pid = _start_with_sleeping_pre_train(launcher, tmp_path, out_dir)
+    os.kill(proc.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    rc = proc.wait(10).rc
+    assert rc == 143, proc.err()
+    assert time.monotonic() - sent < 3, proc.err()
+    assert not is_alive(sleep_pid)
+    assert count_files(out_dir, "ready_*") == 0
+    assert "Traceback" not in proc.err()
+    assert not launcher.leftovers(), describe_pids(launcher.leftovers())
+
+
+def test_kill9_during_pre_train_script_leaves_nothing(launcher, tmp_path, out_dir):
+    """kill -9 of hyperpodrun while the pre-train script runs: the script and its children go too."""
+    proc, sleep_pid = _start_with_sleeping_pre_train(launcher, tmp_path, out_dir)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+    wait_until(lambda: not launcher.leftovers(), 2.0, message="pre-train script and its sleep gone")
+    assert not is_alive(sleep_pid)
