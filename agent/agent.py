@@ -22,7 +22,7 @@ from agent.events import EventLog
 from agent.control import ControlServer
 from agent.hooks import run_hook
 from agent.inprocess import InProcess
-from agent.rendezvous import Rendezvous, hostname, rendezvous
+from agent.rendezvous import Rendezvous, RendezvousInterrupted, hostname, rendezvous
 from agent.report import failure_summary
 from agent.supervisor import Reaper, Supervisor, WorkerProcess, become_subreaper, describe_exit, shell_code
 from agent.tee import Tee
@@ -86,7 +86,13 @@ class Agent:
         self.reaper = Reaper()
         self.sup = Supervisor(self.reaper)
         self._install_signals()
-        self.rdzv = rendezvous(cfg)
+        try:
+            self.rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals))
+        except RendezvousInterrupted:
+            signum = self._signals[0]
+            self.events.emit("signal", f"received {signal.Signals(signum).name} while waiting for the other nodes: "
+                             "exiting", signal=signal.Signals(signum).name)
+            return 128 + signum
         run_dir = self._make_run_dir(self.rdzv.run_id)
         self.events.open(os.path.join(run_dir, f"node{self.rdzv.node_rank}.events.jsonl"), self.rdzv.node_rank)
         self.events.emit("agent_start", f"hyperpodrun agent on {self.host}: node {self.rdzv.node_rank}/"
@@ -446,8 +452,9 @@ class Agent:
         then = self.stop_then
         self.stop_then = None
         assert then is not None
+        self.events.emit("workers_stopped", f"all workers stopped in {stopped_in:.3f}s", duration_s=stopped_in,
+                         level=logging.INFO if then[0] == "restart" else logging.DEBUG)
         if then[0] == "restart":
-            self.events.emit("workers_stopped", f"all workers stopped in {stopped_in:.3f}s", duration_s=stopped_in)
             self.pending_generation = int(then[1])
             self.phase = "awaiting_store"
             self._try_spawn_pending()

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Optional
 
 from agent import stores
 from hyperpodrun.config import LaunchConfig
@@ -40,8 +42,14 @@ def hostname() -> str:
     return socket.gethostname()
 
 
-def rendezvous(cfg: LaunchConfig) -> Rendezvous:
-    """Meet the other agents (or not, on one node) and return this node's place in the job."""
+class RendezvousInterrupted(Exception):
+    """The agent was told to stop (a signal) while it waited for the other nodes."""
+
+
+def rendezvous(cfg: LaunchConfig, stop_requested: Optional[Callable[[], bool]] = None) -> Rendezvous:
+    """Meet the other agents (or not, on one node) and return this node's place in the job.
+
+    While waiting for the other nodes, `stop_requested()` is polled so a signal ends the wait at once."""
     run_id = cfg.rdzv_id
     if cfg.single_node:
         if run_id == "none":
@@ -85,12 +93,14 @@ def rendezvous(cfg: LaunchConfig) -> Rendezvous:
         store.set("rdzv/ready", "1")
     log.info("node %d waiting for %d node(s) at %s:%d (up to %.0fs)", node_rank, cfg.nnodes, host, port,
              cfg.join_timeout)
-    try:
-        store.wait(["rdzv/ready"])
-    except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
-        raise RendezvousError(f"not all {cfg.nnodes} nodes joined within {cfg.join_timeout:.0f}s "
-                              f"({str(exc).splitlines()[0]}); start the other agents or raise "
-                              "--rdzv-conf join_timeout=SECONDS")
+    deadline = time.monotonic() + cfg.join_timeout
+    while not store.check(["rdzv/ready"]):
+        if stop_requested is not None and stop_requested():
+            raise RendezvousInterrupted()
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"not all {cfg.nnodes} nodes joined within {cfg.join_timeout:.0f}s; start the "
+                                  "other agents or raise --rdzv-conf join_timeout=SECONDS")
+        time.sleep(0.05)
     counts = [int(store.get(f"rdzv/nproc/{i}")) for i in range(cfg.nnodes)]
     return Rendezvous(node_rank=node_rank, nnodes=cfg.nnodes, rank_offset=sum(counts[:node_rank]),
                       world_size=sum(counts), run_id=run_id, master_addr=host, store=store, store_host=serve,

@@ -92,8 +92,6 @@ def test_failure_beyond_budget_fails_both_nodes(launcher, tmp_path, out_dir):
     assert not launcher.leftovers()
 
 
-@pytest.mark.xfail(strict=True, reason="agent/agent.py runs the rendezvous before its loop: a signal is only "
-                   "recorded, and the agent waits for the other nodes until join_timeout, then exits 1")
 def test_sigterm_while_waiting_for_the_other_nodes(launcher, tmp_path):
     """A node stopped while it waits for its peers exits at once with 128+SIGTERM."""
     ok = tmp_path / "ok.py"

@@ -73,8 +73,6 @@ def test_sigterm_forwarded_then_sigkill_after_shutdown_timeout(launcher, out_dir
     assert "Traceback" not in proc.err()
 
 
-@pytest.mark.xfail(strict=True, reason="agent/agent.py _advance_stop: the exit path emits no event with the "
-                   "shutdown's duration (only a restart's 'workers_stopped' carries duration_s)")
 def test_shutdown_is_logged_with_its_duration(launcher, out_dir):
     """The event log records a signal-initiated shutdown with its duration, as it does for a restart."""
     proc = launcher.start(["--nproc-per-node", "2", BEHAVE, "--out", out_dir, "--hold"])
@@ -150,7 +148,7 @@ def test_twenty_restarts_each_reform_the_gloo_group(launcher, out_dir):
     correctly, and no grandchild of any attempt is alive when the job ends."""
     n = 20
     res = launcher.run(["--nproc-per-node", "2", "--max-restarts", str(n), "--shutdown-timeout", "2",
-                        script("regroup.py"), out_dir, str(n)], timeout=200)
+                        script("regroup.py"), out_dir, str(n)], timeout=280)
     assert res.rc == 0, res
     missing = [(g, r) for g in range(n + 1) for r in range(2) if not (out_dir / f"ok_{g}_{r}").exists()]
     assert not missing, f"generations without a correct all-reduce: {missing}\n{res}"
