@@ -8,6 +8,7 @@ done within --inprocess-timeout escalates to a process-level restart of this nod
 """
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -179,6 +180,7 @@ class InProcess:
             r.folded += 1
             if r.root.get("secondary") and not info.get("secondary"):
                 r.root = info  # a real cause arrived after a secondary symptom: it is the root cause
+                self._publish_root(r)
             self.a.events.emit("fault_folded", f"folded into generation {r.target}: {info['summary']}",
                                generation=r.target, rank=info.get("rank"), level=logging.INFO)
         for lr in failed:
@@ -227,8 +229,31 @@ class InProcess:
                 self._send(st, P.Restart(generation=target, reason=info.get("summary", "")))
                 sent += 1
         r.signalled = True
+        self._publish_root(r)
         a.events.emit("restart_signal", f"in-process restart: generation {a.generation} -> {target}, RESTART sent "
                       f"to {sent} rank(s)", generation=target, duration_s=time.monotonic() - now)
+
+    def _publish_root(self, r: Round) -> None:
+        """Several nodes: the first node that knows a real (not secondary) cause of round r names it job-wide,
+        so a node that only saw "connection reset by peer" reports the same root cause at GO."""
+        if self.a.rdzv.single_node or r.root.get("secondary"):  # type: ignore[union-attr]
+            return
+        store = self.a.coord.store  # type: ignore[union-attr]
+        if int(store.add(f"rootcause/{r.target}/claim", 1)) == 1:
+            store.set(f"rootcause/{r.target}", json.dumps(dict(r.root, node=self.a.rdzv.node_rank), default=str))
+
+    def _job_root(self, r: Round) -> dict[str, Any]:
+        """The root cause of round r as reported at GO: ours, or another node's when we only saw a symptom."""
+        if self.a.rdzv.single_node or not r.root.get("secondary"):  # type: ignore[union-attr]
+            return r.root
+        store, key = self.a.coord.store, f"rootcause/{r.target}"  # type: ignore[union-attr]
+        try:
+            if store.check([key]):
+                root = json.loads(store.get(key))
+                return dict(root, summary=f"{root.get('summary')} (node {root.get('node')})")
+        except Exception as exc:  # the store is only asked for a better message: never fatal here
+            log.debug("root cause of generation %d not readable: %s", r.target, exc)
+        return r.root
 
     def _respawn(self, local_rank: int) -> None:
         st = self.ranks[local_rank]
@@ -368,9 +393,10 @@ class InProcess:
         a.phase = "running"
         self.round = None
         downtime = time.monotonic() - r.t_detect
+        root = self._job_root(r)
         a.events.emit("go", f"GO generation {r.target}: recovered in {downtime:.3f}s (root cause: "
-                      f"{r.root.get('summary')}{f'; {r.folded} secondary fault(s) folded' if r.folded else ''})",
-                      generation=r.target, downtime_s=downtime, root_cause=r.root.get("summary"))
+                      f"{root.get('summary')}{f'; {r.folded} secondary fault(s) folded' if r.folded else ''})",
+                      generation=r.target, downtime_s=downtime, root_cause=root.get("summary"))
 
     def reset_after_process_restart(self, gen: int) -> None:
         """All local workers were respawned for `gen` (escalation): wait for their READY(gen)."""

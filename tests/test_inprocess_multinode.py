@@ -36,8 +36,11 @@ def test_sigkill_on_node1_keeps_node0_ranks(launcher, tmp_path, out_dir):
     assert not events_named(node0, "respawn") and not events_named(node0, "kill"), info
     assert [e["rank"] for e in events_named(node1, "respawn")] == [3], info
     for log_dir in (node0, node1):
-        assert [e["generation"] for e in events_named(log_dir, "go")] == [1], info
+        go = events_named(log_dir, "go")
+        assert [e["generation"] for e in go] == [1], info
         assert not events_named(log_dir, "restart_begin"), info
+        # one root cause per restart, on both nodes: the death on node 1, not node 0's "connection reset"
+        assert "rank 3" in go[0]["root_cause"] and "SIGKILL" in go[0]["root_cause"], info
 
 
 def test_simultaneous_faults_on_both_nodes_make_one_generation(launcher, tmp_path, out_dir):
