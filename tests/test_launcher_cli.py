@@ -185,6 +185,19 @@ def test_underscore_spellings(launcher, tmp_path, out_dir):
     assert "out from rank 1" in res.out and "out from rank 0" not in res.out, res
 
 
+def test_module_and_no_python_entrypoints(launcher, tmp_path, out_dir):
+    """-m runs `python -m MODULE`, --no-python runs the program itself (torchrun's rules)."""
+    (tmp_path / "hpr_probe_mod.py").write_text(
+        "import os, sys\nopen(os.path.join(sys.argv[1], 'mod_' + os.environ['RANK']), 'w').write(__name__)\n")
+    res = launcher.run(["--nproc-per-node", "2", "-m", "hpr_probe_mod", out_dir], timeout=30)
+    assert res.rc == 0, res
+    assert [(out_dir / f"mod_{r}").read_text() for r in (0, 1)] == ["__main__", "__main__"]
+    res = launcher.run(["--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "$RANK" > "$0/sh_$RANK"', out_dir],
+                       timeout=30)
+    assert res.rc == 0, res
+    assert [(out_dir / f"sh_{r}").read_text() for r in (0, 1)] == ["0\n", "1\n"]
+
+
 # ------------------------------------------------------------------------------------------ console vs files
 def _console_lines(text, what):
     """Worker lines ('out from rank R gen G') on the console -> {rank: prefixed?}."""
