@@ -160,6 +160,8 @@ class _Session:
     def _on_command(self, msg: P._Msg) -> None:
         if isinstance(msg, P.Restart):
             self.reason = msg.reason
+            if msg.generation > self.interrupter.target and self.state == "running":
+                _abort_nccl_from_monitor()
             self.interrupter.request(msg.generation)
         elif isinstance(msg, P.Inject):
             if msg.step is None and msg.kind in ("kill", "segv", "exit"):
@@ -195,6 +197,22 @@ def _device_ids(local_rank: int) -> dict:
     except Exception:
         pass
     return {}
+
+
+def _abort_nccl_from_monitor() -> None:
+    """NCCL only: abort the communicators from the monitor thread, so a main thread blocked on the GPU (a
+    collective whose peer died, a synchronize, `.item()`) returns and the interrupt can land. gloo groups are
+    left to the main thread (destroying them from another thread is not safe)."""
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend()).lower():
+            return
+        abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort_pg is not None:
+            abort_pg()
+            log.warning("rank %s: NCCL communicators aborted on RESTART", os.environ.get("RANK"))
+    except Exception as exc:  # the main thread's abort runs anyway
+        log.warning("NCCL abort from the monitor thread failed: %s", exc)
 
 
 def _collective_seq() -> Optional[int]:
