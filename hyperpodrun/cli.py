@@ -9,6 +9,7 @@ import logging
 import os
 import shlex
 import shutil
+import socket
 import sys
 from typing import Any, Optional
 
@@ -75,6 +76,19 @@ def _resolve_nproc(value: str) -> int:
             return len(os.sched_getaffinity(0))
         raise ConfigError("--nproc-per-node gpu: no CUDA GPU is visible on this node; give a number instead")
     raise ConfigError(f"--nproc-per-node {value!r} is not a number or one of auto, gpu, cpu")
+
+
+def _own_address(local_addr: Optional[str]) -> str:
+    """--local-addr, else this host's FQDN as torchrun's c10d rendezvous gives it ('localhost' if it does not
+    resolve: the workers must reach the agent's store)."""
+    if local_addr:
+        return local_addr
+    fqdn = socket.getfqdn()
+    try:
+        socket.getaddrinfo(fqdn, None)
+    except OSError:
+        return "localhost"
+    return fqdn
 
 
 def _parse_conf(text: str) -> dict[str, str]:
@@ -169,6 +183,13 @@ def build_config(opts: dict[str, Any], script: str, script_args: tuple[str, ...]
                               "port (e.g. --master-port 29500)")
     if single and node_rank not in (None, 0):
         raise ConfigError(f"--node-rank {node_rank} with one node; it must be 0 (or give --nnodes)")
+    if single:
+        # torchrun 2.13's MASTER_ADDR for one node: a static rendezvous only with --master-port or an endpoint
+        # (then the master address, default 127.0.0.1); otherwise its c10d one (the node's own address)
+        if backend == "static" and (opts["master_port"] is not None or endpoint):
+            master_addr = parse_endpoint(endpoint)[0] if endpoint else (opts["master_addr"] or "127.0.0.1")
+        else:
+            master_addr = _own_address(opts["local_addr"])
 
     entry = script
     if not opts["module"] and not opts["no_python"]:
