@@ -385,3 +385,20 @@ def test_kill9_during_pre_train_script_leaves_nothing(launcher, tmp_path, out_di
     proc.wait(5)
     wait_until(lambda: not launcher.leftovers(), 2.0, message="pre-train script and its sleep gone")
     assert not is_alive(sleep_pid)
+
+
+@pytest.mark.xfail(strict=True, reason="agent/agent.py _run: returns the pre-train script's code before it checks "
+                   "self._signals, and calls run_hook without shutdown_timeout=cfg.shutdown_timeout (30 s)")
+@pytest.mark.parametrize("trap, expect_within", [
+    ("trap 'exit 3' TERM", 3.0),   # the script handles SIGTERM and fails: hyperpodrun still exits 128+15
+    ("trap '' TERM", 4.0),         # the script ignores SIGTERM: SIGKILL after --shutdown-timeout 2
+], ids=["script-exits-3", "script-ignores"])
+def test_sigterm_during_pre_train_script_exit_code_and_timeout(launcher, tmp_path, out_dir, trap, expect_within):
+    pre = tmp_path / "pre.sh"
+    pre.write_text(f'{trap}\nsleep 600 &\ntouch "{out_dir}/pre_running"\nwait\nwait\n')
+    proc = launcher.start(["--shutdown-timeout", "2", "--pre-train-script", pre, BEHAVE, "--out", out_dir])
+    wait_until(lambda: (out_dir / "pre_running").exists() or proc.popen.poll() is not None, 30,
+               message="pre-train script running")
+    os.kill(proc.pid, signal.SIGTERM)
+    res = proc.wait(expect_within + 1)
+    assert res.rc == 143, res
