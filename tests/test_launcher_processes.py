@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
 
-from conftest import (count_files, describe_pids, is_alive, read_events, read_markers, script, session_members,
-                      the_run_dir, wait_until)
+from conftest import (HYPERPODRUN, count_files, describe_pids, is_alive, read_events, read_markers, script,
+                      session_members, the_run_dir, wait_until, write_script)
 
 BEHAVE = script("behave.py")
 
@@ -171,3 +173,65 @@ def test_restart_budget_is_exhausted(launcher, out_dir):
     assert count_files(out_dir, "ready_1_*.json") == 2 and count_files(out_dir, "ready_2_*.json") == 0, res
     assert "rank 0" in res.err and "exit code 5" in res.err
     assert not launcher.leftovers()
+
+
+ORPHAN = """
+import os, sys, time
+out = sys.argv[1]
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    grandchild = os.fork()
+    if grandchild == 0:
+        time.sleep(0.3)          # by now its parent is gone: it was re-parented to the agent
+        os._exit(0)
+    os.write(w, str(grandchild).encode())
+    os._exit(0)
+os.waitpid(child, 0)
+grandchild = int(os.read(r, 64))
+state = "?"
+end = time.monotonic() + 10
+while time.monotonic() < end:
+    try:
+        with open(f"/proc/{grandchild}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "reaped"
+        break
+    time.sleep(0.02)
+open(os.path.join(out, "orphan"), "w").write(state)
+"""
+
+
+def test_reparented_orphans_are_reaped(launcher, tmp_path, out_dir):
+    """A worker's grandchild whose parent exited is re-parented to the agent (a subreaper, as PID 1 would be)
+    and reaped when it exits: no zombie accumulates."""
+    orphan = write_script(tmp_path, "orphan.py", ORPHAN)
+    res = launcher.run(["--nproc-per-node", "1", orphan, out_dir], timeout=30)
+    assert res.rc == 0, res
+    assert (out_dir / "orphan").read_text() == "reaped", "the orphan stayed a zombie"
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_sigterm_as_pid1_of_a_container(launcher, tmp_path, out_dir):
+    """hyperpodrun as PID 1 of its own PID namespace (a container's entrypoint): SIGTERM from outside is
+    forwarded, SIGKILL follows after --shutdown-timeout, exit code 143."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a PID namespace here: {probe.stderr.decode().strip()}")
+    proc = launcher.start(["--log-dir", launcher.log_dir, "--nproc-per-node", "2", "--shutdown-timeout", "2", BEHAVE,
+                           "--out", out_dir, "--hold", "--term", "log"],
+                          cmd=["unshare", "--pid", "--fork", "--mount-proc", HYPERPODRUN])
+    wait_until(lambda: _ready(out_dir, 2)() or proc.popen.poll() is not None, 30, message="2 workers ready")
+    assert proc.popen.poll() is None, proc.err()
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
+        (agent,) = [int(x) for x in fh.read().split()]
+    assert "hyperpodrun" in open(f"/proc/{agent}/cmdline").read()
+    with open(f"/proc/{agent}/status") as fh:
+        nspid = [line.split()[1:] for line in fh if line.startswith("NSpid:")][0]
+    assert nspid[-1] == "1", f"hyperpodrun is not PID 1 in its namespace: NSpid {nspid}"
+    os.kill(agent, signal.SIGTERM)
+    res = proc.wait(6)
+    assert res.rc == 143, res
+    assert count_files(out_dir, "term_0_*") == 2, "SIGTERM not forwarded to the workers"
+    assert not launcher.leftovers(), describe_pids(launcher.leftovers())
