@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from conftest import HYPERPODRUN
-from inprocess_helpers import FAST, Job, assert_only_replaced, entries, events_named, first, pids, records
+from inprocess_helpers import FAST, Job, assert_only_replaced, entries, events_named, first, pids
 
 
 @pytest.mark.parametrize("victim", [0, 2])
@@ -33,8 +33,9 @@ def test_sigkill_of_one_rank_replaces_only_that_rank(launcher, out_dir, victim):
 def test_exception_reenters_every_rank_in_place_and_releases_peers_fast(launcher, out_dir):
     """An exception in rank 2 at step 8: every rank re-enters with iteration 1, no process is restarted, and
     the ranks blocked in the all-reduce with it left it within a second of the raise (gloo: the raising rank
-    tears its group down first). `hyperpodrun logs --events` then shows the restart's timeline."""
-    job = Job(launcher, out_dir, FAST, ["--raise-rank", "2", "--raise-step", "8"])
+    tears its group down first). `hyperpodrun logs --events` then shows the restart's timeline. The workers
+    take longer than --heartbeat-timeout to exit once released: that is not a hang (no third generation)."""
+    job = Job(launcher, out_dir, FAST, ["--raise-rank", "2", "--raise-step", "8", "--exit-delay", "4"])
     res = job.result()
     info = job.describe()
     assert res.rc == 0, info
@@ -43,6 +44,7 @@ def test_exception_reenters_every_rank_in_place_and_releases_peers_fast(launcher
         pid = pids(out_dir, rank)[0]
         assert entries(out_dir, rank) == [(pid, 0), (pid, 1)], info
     assert not events_named(job.log_dir, "respawn") and not events_named(job.log_dir, "kill"), info
+    assert [e["generation"] for e in events_named(job.log_dir, "restart_signal")] == [1], info
 
     raised = first(out_dir, 2, "raise")
     assert raised is not None and raised["step"] == 8, info
@@ -107,6 +109,7 @@ def test_c_call_holding_the_gil_is_killed_and_replaced(launcher, out_dir):
     assert all(blocked), info
 
 
+@pytest.mark.slow
 def test_c_call_without_the_gil_only_the_hung_rank_is_replaced(launcher, out_dir):
     """A rank hung inside a C call that releases the GIL (like a stuck collective) keeps heart-beating;
     --progress-timeout finds it as the rank whose collective sequence lags; only it is killed and replaced."""
@@ -119,4 +122,3 @@ def test_c_call_without_the_gil_only_the_hung_rank_is_replaced(launcher, out_dir
     assert [e["rank"] for e in events_named(job.log_dir, "kill")] == [3], info
     faults = events_named(job.log_dir, "fault")
     assert faults and faults[0]["rank"] == 3 and "culprit rank(s) 3 " in faults[0]["root_cause"], info
-    assert len(records(out_dir, 3)) > 0

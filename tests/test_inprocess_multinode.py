@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from conftest import free_port
 from inprocess_helpers import FAST, Job, assert_only_replaced, entries, events_named, pids
 
@@ -22,6 +24,7 @@ def _describe(jobs):
     return "\n".join(f"===== node {n}\n{job.describe()}" for n, job in enumerate(jobs))
 
 
+@pytest.mark.slow
 def test_sigkill_on_node1_keeps_node0_ranks(launcher, tmp_path, out_dir):
     """SIGKILL of rank 3 (node 1): node 1's agent replaces it in-process, node 0's ranks and rank 2 keep their
     PIDs, the whole job moves to generation 1 together and both agents exit 0."""

@@ -15,11 +15,15 @@ Generation 0 trains until a fault moves the job on (a cap of --forever-cap secon
 a test whose fault never fires fails instead of hanging); every later generation trains --steps steps and
 returns. Faults the script raises itself: --raise-rank/--raise-step (in generation 0 only, or every
 generation with --raise-always). Recovery-time faults: --finalize-exit-rank (that rank's finalize exits the
-process once), --finalize-hang-rank (that rank's finalize never returns). --usr1-log-rank: in that rank
-SIGUSR1 writes a record and is otherwise ignored. --gate FILE: a process started for a generation > 0 waits for FILE before it
-joins (so a test can act while the replacement is on its way).
+process once), --finalize-hang-rank (that rank's finalize never returns), --finalize-hold-gil-rank (that
+rank's finalize spends --hold-gil-s seconds in a C call that keeps the GIL: no heartbeat meanwhile).
+--usr1-log-rank: in that rank SIGUSR1 writes a record and is otherwise ignored. --gate FILE: a process
+started for a generation > 0 waits for FILE before it joins (so a test can act while the replacement is on
+its way). --exit-delay: a process whose job completed takes that long to exit (by default it leaves with
+os._exit at once).
 """
 import argparse
+import ctypes
 import datetime
 import json
 import os
@@ -49,8 +53,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--raise-always", action="store_true", help="raise in every generation, not only in 0")
     p.add_argument("--finalize-exit-rank", type=int, default=None)
     p.add_argument("--finalize-hang-rank", type=int, default=None)
+    p.add_argument("--finalize-hold-gil-rank", type=int, default=None)
+    p.add_argument("--hold-gil-s", type=float, default=5.0)
     p.add_argument("--usr1-log-rank", type=int, default=None)
     p.add_argument("--gate", default=None)
+    p.add_argument("--exit-delay", type=float, default=None,
+                   help="after the job completed, take this long to exit (default: exit at once)")
     return p.parse_args()
 
 
@@ -102,6 +110,9 @@ class TestFinalize(CheckpointlessFinalizeCleanup):
                 record("finalize_exit", t=time.time())
                 sys.stdout.flush()
                 os._exit(5)
+        if RANK == ARGS.finalize_hold_gil_rank:
+            record("finalize_hold_gil", t=time.time())
+            ctypes.PyDLL(None).usleep(int(ARGS.hold_gil_s * 1e6))   # a slow C call that keeps the GIL
         if RANK == ARGS.finalize_hang_rank:
             record("finalize_hang", t=time.time())
             end = time.monotonic() + ARGS.forever_cap
@@ -152,3 +163,8 @@ if __name__ == "__main__":
     wait_rank()
     train()
     record("exit", it=current_iteration(), t=time.time())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if ARGS.exit_delay is None:
+        os._exit(0)   # skip torch's interpreter teardown (seconds on a busy machine): the tests do not need it
+    time.sleep(ARGS.exit_delay)   # a slow teardown after the control connection closed: not a hang
