@@ -40,6 +40,7 @@ class RankState:
     done_gen: int = -1
     beat_gen: int = -1
     killed: bool = False
+    fault_gen: int = -1       # newest generation this process reported a FAULT in (it is recovering from it)
 
 
 @dataclass
@@ -117,6 +118,7 @@ class InProcess:
             st.step, st.seq, st.state, st.beat_gen = msg.step, msg.seq, msg.state, msg.generation
         elif isinstance(msg, P.Fault):
             st.step = msg.step if msg.step is not None else st.step
+            st.fault_gen = max(st.fault_gen, msg.generation)
             self._on_fault(st, msg)
         elif isinstance(msg, P.Ready):
             st.ready_gen = max(st.ready_gen, msg.generation)
@@ -345,7 +347,8 @@ class InProcess:
         # ranks that have not left the failed generation after RESTART + grace cannot be interrupted
         if now >= r.grace_at and r.kill_stage < 2:
             stuck = [st for lr, st in self.ranks.items() if lr in live and st.hello and not st.killed
-                     and st.ready_gen < r.target and st.state in ("running", "done") and st.beat_gen < r.target]
+                     and st.ready_gen < r.target and st.state in ("running", "done") and st.beat_gen < r.target
+                     and st.fault_gen < a.generation]   # a rank that reported FAULT left fn: it is recovering
             if r.kill_stage == 0:
                 stuck_c = [st for st in stuck if st.local_rank in r.culprits] or (
                     [min(stuck, key=lambda s: (s.seq if s.seq is not None else -1))] if stuck else [])

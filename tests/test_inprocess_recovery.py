@@ -29,6 +29,22 @@ def test_rank_dying_in_finalize_during_recovery_is_folded_in(launcher, out_dir):
     assert len(faults) == 1 and faults[0]["rank"] == 1, "one root cause per restart\n" + info
 
 
+def test_slow_recovery_of_the_faulting_rank_is_not_mistaken_for_a_hang(launcher, out_dir):
+    """Rank 1 raises and then spends 5 s in its finalize inside a C call that keeps the GIL (no heartbeat
+    says it is recovering; the last one said "running"). Its FAULT told the agent it left the function: it is
+    not killed as "stuck in a C call" once the 4 s grace for RESTART has passed; nothing is replaced."""
+    hpr = ["--inprocess-restart", "--heartbeat-interval", "2", "--heartbeat-timeout", "9", "--inprocess-timeout", "16"]
+    job = Job(launcher, out_dir, hpr, ["--raise-rank", "1", "--raise-step", "8", "--finalize-hold-gil-rank", "1",
+                                       "--hold-gil-s", "5"])
+    res = job.result()
+    info = job.describe()
+    assert res.rc == 0, info
+    assert first(out_dir, 1, "finalize_hold_gil") is not None, info
+    assert not events_named(job.log_dir, "kill"), info
+    assert_only_replaced(out_dir, set(), info=info)
+
+
+@pytest.mark.slow
 def test_second_kill_while_the_replacement_starts(launcher, out_dir, tmp_path):
     """SIGKILL of rank 0; while its replacement is on its way (held at a gate by the test) and the others wait
     for GO, rank 2 is killed too: both are replaced in the same round, ranks 1 and 3 keep their PIDs."""
