@@ -68,6 +68,8 @@ class Agent:
         self.pending_generation: Optional[int] = None
         self.detect_t: Optional[float] = None
         self.finish_deadline: Optional[float] = None
+        self.left_deadline: Optional[float] = None
+        self.stopped_by_signal: Optional[int] = None
 
     # ----------------------------------------------------------------------------------------- entry
     def run(self) -> int:
@@ -110,8 +112,11 @@ class Agent:
                                        control=self.control.endpoint if self.control else None,
                                        on_spawn=self.inproc.on_spawn if self.inproc else None)
 
-        if cfg.pre_train_script:
-            code = run_hook("pre-train", cfg.pre_train_script, cfg.pre_train_args, self.events, self.sup)
+        if cfg.pre_train_script and not self._signals:
+            code = run_hook("pre-train", cfg.pre_train_script, cfg.pre_train_args, self.events, self.sup,
+                            shutdown_timeout=cfg.shutdown_timeout)
+            if self._signals:
+                return 128 + self._signals[0]
             if code != 0:
                 return code
         if self._signals:
@@ -128,8 +133,9 @@ class Agent:
         self.generation = self.coord.generation()
         self._enter_generation(self.generation)
         code = self._loop()
-        if cfg.post_train_script:
-            post = run_hook("post-train", cfg.post_train_script, cfg.post_train_args, self.events, self.sup)
+        if cfg.post_train_script and self.stopped_by_signal is None:   # a container stop must not wait for it
+            post = run_hook("post-train", cfg.post_train_script, cfg.post_train_args, self.events, self.sup,
+                            shutdown_timeout=cfg.shutdown_timeout)
             if code == 0 and post != 0:
                 code = post
         return code
@@ -238,6 +244,7 @@ class Agent:
         if self.stop_then and self.stop_then[0] == "exit" and self.phase == "stopping":
             self.sup.signal_all(signum)   # a second signal: forward it too, keep the first deadline
             return
+        self.stopped_by_signal = signum
         self._begin_stop(("exit", 128 + signum), signum)
 
     def _on_posted(self, event: tuple) -> None:
@@ -337,14 +344,14 @@ class Agent:
     def _advance_finish(self, now: float) -> None:
         assert self.coord is not None and self.rdzv is not None
         try:
-            if self.coord.done_count(self.generation) >= self.rdzv.nnodes:
-                left = self.coord.mark_left()
-                if self.rdzv.store_host:   # keep serving the store until every agent has read the result
-                    end = time.monotonic() + 10
-                    while left < self.rdzv.nnodes and time.monotonic() < end:
-                        time.sleep(0.05)
-                        left = self.coord.left_count()
-                self._finish(0)
+            if self.left_deadline is None and self.coord.done_count(self.generation) >= self.rdzv.nnodes:
+                self.coord.mark_left()
+                self.left_deadline = now + 10
+            if self.left_deadline is not None:
+                # the store host keeps serving the store until every agent has read the result
+                if not self.rdzv.store_host or self.coord.left_count() >= self.rdzv.nnodes \
+                        or now > self.left_deadline:
+                    self._finish(0)
                 return
         except Exception as exc:  # the host finished and went away: our part is done
             self.events.emit("store_gone", f"coordination store closed after completion ({exc})")

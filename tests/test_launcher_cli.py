@@ -387,8 +387,6 @@ def test_kill9_during_pre_train_script_leaves_nothing(launcher, tmp_path, out_di
     assert not is_alive(sleep_pid)
 
 
-@pytest.mark.xfail(strict=True, reason="agent/agent.py _run: returns the pre-train script's code before it checks "
-                   "self._signals, and calls run_hook without shutdown_timeout=cfg.shutdown_timeout (30 s)")
 @pytest.mark.parametrize("trap, expect_within", [
     ("trap 'exit 3' TERM", 3.0),   # the script handles SIGTERM and fails: hyperpodrun still exits 128+15
     ("trap '' TERM", 4.0),         # the script ignores SIGTERM: SIGKILL after --shutdown-timeout 2
