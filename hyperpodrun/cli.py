@@ -290,7 +290,7 @@ POS = click.FloatRange(min=0, min_open=True)
 @topt("--numa-binding", default=None, hidden=True)
 @topt("--virtual-local-rank", is_flag=True, hidden=True)
 @topt("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers.")
-@topt("--shutdown-timeout", default=None, type=click.FloatRange(min=0),
+@oopt("--shutdown-timeout", default=None, type=click.FloatRange(min=0),
       help="Seconds between the shutdown signal and SIGKILL (default 30, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT).")
 @oopt("--shutdown-signal", default="SIGTERM", help="Signal a restart or stop sends first (name or number).")
 @oopt("--inprocess-restart", is_flag=True, help="Restart healthy workers in-process on a fault.")
