@@ -344,7 +344,13 @@ class InProcess:
         r = self.round
         assert r is not None
         a = self.a
-        # ranks that have not left the failed generation after RESTART + grace cannot be interrupted
+        # ranks that have not left the failed generation after RESTART + grace cannot be interrupted; but
+        # while a rank that reported the FAULT is still tearing its groups down, the peers blocked on it
+        # are waiting for that, not stuck (its own abort_timeout and --inprocess-timeout bound it)
+        if now >= r.grace_at and r.kill_stage < 2 and any(
+                lr in live and st.fault_gen >= a.generation and st.ready_gen < r.target
+                for lr, st in self.ranks.items()):
+            r.grace_at = now + self.grace
         if now >= r.grace_at and r.kill_stage < 2:
             stuck = [st for lr, st in self.ranks.items() if lr in live and st.hello and not st.killed
                      and st.ready_gen < r.target and st.state in ("running", "done") and st.beat_gen < r.target
