@@ -24,15 +24,91 @@ class Abort:
         raise NotImplementedError
 
 
+_PARKED: list = []            # process groups of ended generations (see park_process_groups)
+_ENTRY_SOCKETS: set[str] = set()
+
+
+def park_process_groups() -> None:
+    """Keep a reference to every current process group so none is destructed in the main thread.
+
+    ~ProcessGroupGloo joins gloo's worker thread while holding the GIL; if that thread is finishing a work
+    that holds a Python object it waits for the GIL: a deadlock (seen with DDP). Parked groups are released
+    by `release_parked()` once their threads are idle (at the next generation's start, or at the end).
+    """
+    try:
+        import torch.distributed as dist
+        world = getattr(dist.distributed_c10d, "_world", None)
+        if world is not None:
+            _PARKED.extend(pg for pg in list(getattr(world, "pg_map", {}).keys()) if pg not in _PARKED)
+    except Exception:
+        pass
+
+
+def release_parked() -> None:
+    _PARKED.clear()
+    gc.collect()
+
+
+def _inet_sockets() -> dict[int, str]:
+    """fd -> inode of this process's open sockets."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out[int(name)] = target
+    return out
+
+
+def mark_generation_start() -> None:
+    """Remember the sockets that exist before the wrapped function runs (HPWrapper calls this)."""
+    _ENTRY_SOCKETS.clear()
+    _ENTRY_SOCKETS.update(_inet_sockets().values())
+
+
+def shutdown_generation_sockets() -> int:
+    """shutdown() the connected TCP sockets opened during the failed generation's call (gloo's pairs, the
+    generation's store client): every peer still inside a collective with us fails at once. Listening
+    sockets are left alone (gloo aborts the process when its accept() fails), and so is every socket that
+    existed before the wrapped function started, and every non-TCP socket (the control plane's)."""
+    import socket
+    n = 0
+    for fd, inode in _inet_sockets().items():
+        if inode in _ENTRY_SOCKETS:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                try:
+                    sock.getpeername()
+                except OSError:
+                    continue   # listening or unconnected
+                sock.shutdown(socket.SHUT_RDWR)
+                n += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()   # our dup only
+    return n
+
+
 class AbortProcessGroups(Abort):
-    """Tear down the failed generation's process groups.
+    """Tear down the failed generation's process groups without blocking and without destructing them.
 
     NCCL: abort the communicators (unblocks kernels and collectives in flight). gloo: an abort does not
-    unblock a collective in flight (verified); what does is the peer's sockets closing, which happens when
-    the group object is destroyed - so the group is removed from torch's registry and collected at once
-    (HPWrapper first clears the failed frames, which hold the model, DDP reducer and group). Measured on
-    4 CPU ranks: a peer blocked in an all-reduce with a failed rank is released within ~0.5 s per hop.
-    Then `init_process_group()` works again.
+    unblock a collective in flight (verified); what does is the peer's connections going down - so the
+    connected TCP sockets the generation opened are shut down (peers blocked in a collective with us fail
+    within milliseconds). The groups are removed from torch's registry, so `init_process_group()` works
+    again, but parked rather than destructed (see park_process_groups).
     """
 
     def __call__(self) -> None:
@@ -47,6 +123,7 @@ class AbortProcessGroups(Abort):
             backend = str(dist.get_backend()).lower()
         except Exception:
             pass
+        park_process_groups()
         if "nccl" in backend:
             abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort_pg is not None:
@@ -64,9 +141,7 @@ class AbortProcessGroups(Abort):
                 dist.distributed_c10d.GroupMember.WORLD = None  # type: ignore[attr-defined]
             except Exception:
                 pass
-        # gloo closes its sockets - which is what releases peers blocked in a collective with us - only
-        # when the last reference to the group is gone
-        gc.collect()
+        shutdown_generation_sockets()
 
 
 class ComposeAbort(Abort):

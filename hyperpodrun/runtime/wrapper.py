@@ -28,7 +28,8 @@ from hyperpodrun import env as E
 from hyperpodrun import protocol as P
 from hyperpodrun.errors import EXIT_WORKER_UNHEALTHY
 from hyperpodrun.runtime.checkpoint import StateLostError
-from hyperpodrun.runtime.abort import CheckpointlessAbortManager, CheckpointlessFinalizeCleanup
+from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, CheckpointlessFinalizeCleanup,
+                                       mark_generation_start, park_process_groups, release_parked)
 from hyperpodrun.runtime.health import HealthCheckError
 from hyperpodrun.runtime.inject import Injector, execute
 from hyperpodrun.runtime.interrupt import Interrupter, RestartInterrupt
@@ -136,6 +137,7 @@ class _Session:
         self.state = "running"
         self.interrupter = Interrupter()
         self.interrupter.install_optimizer_hooks()
+        self._park_on_destroy()
         self.injector = Injector()
         self.go: dict[int, P.Go] = {}
         self.shutdown: Optional[P.Shutdown] = None
@@ -146,6 +148,27 @@ class _Session:
                                     self._status)
         self.client.start(P.Hello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
                                   generation=self.generation, **_device_ids(self.local_rank)))
+
+    @staticmethod
+    def _park_on_destroy() -> None:
+        """Make the user's own `destroy_process_group()` park the groups first (see abort.park_process_groups):
+        otherwise the group dies when the function's frame (holding DDP) is freed, in the main thread."""
+        try:
+            import torch.distributed as dist
+            import torch.distributed.distributed_c10d as c10d
+        except ImportError:
+            return
+        original = c10d.destroy_process_group
+        if getattr(original, "_hyperpodrun_parks", False):
+            return
+
+        @functools.wraps(original)
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            park_process_groups()
+            return original(*args, **kwargs)
+        destroy_process_group._hyperpodrun_parks = True  # type: ignore[attr-defined]
+        c10d.destroy_process_group = destroy_process_group
+        dist.destroy_process_group = destroy_process_group
 
     @classmethod
     def get(cls) -> "_Session":
@@ -317,7 +340,9 @@ class HPWrapper:
             if self.checkpoint_manager is not None and hasattr(self.checkpoint_manager, "_attach"):
                 self.checkpoint_manager._attach(caller, sess)
             sess.state = "running"
+            release_parked()            # the previous generation's groups: their threads are idle by now
             _reset_torch_group_counter()
+            mark_generation_start()
             t_fault: Optional[float] = None
             try:
                 sess.interrupter.enter_fn(gen)
@@ -347,7 +372,7 @@ class HPWrapper:
                                   exit_code=exit_code, traceback=tb_text))
                 if retryable:
                     _drop_frames(exc)   # the failed frames hold the model/DDP, which hold the process group
-                self._abort(sess)
+                sess.first_abort_s = self._abort(sess)  # type: ignore[attr-defined]
                 if not retryable:
                     log.error("rank %d: %s is not retried; ending the job", sess.rank, type(exc).__name__)
                     if exit_code != 1:
@@ -368,6 +393,7 @@ class HPWrapper:
                 sess.send(P.Done(rank=sess.rank, pid=os.getpid(), generation=gen))
                 sess.wait(lambda: sess.interrupter.target > gen or sess.shutdown is not None)
                 if sess.shutdown is not None and sess.interrupter.target <= gen:
+                    release_parked()
                     sess.client.close()
                     return result
                 target = sess.interrupter.target
@@ -398,7 +424,8 @@ class HPWrapper:
     def _recover(self, sess: _Session, target: int, t_fault: Optional[float]) -> int:
         """abort -> finalize -> health check; returns the generation to report READY for."""
         sess.state = "recovering"
-        abort_s = self._abort(sess)
+        abort_s = self._abort(sess) + getattr(sess, "first_abort_s", 0.0)
+        sess.first_abort_s = 0.0  # type: ignore[attr-defined]
         t1 = time.monotonic()
         self.finalize()
         finalize_s = time.monotonic() - t1
