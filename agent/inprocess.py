@@ -185,6 +185,10 @@ class InProcess:
                 self._publish_root(r)
             self.a.events.emit("fault_folded", f"folded into generation {r.target}: {info['summary']}",
                                generation=r.target, rank=info.get("rank"), level=logging.INFO)
+        if failed and r is not None and r.node_ready_marked and not self.a.rdzv.single_node:  # type: ignore
+            # this node counted itself ready, then lost a rank: take the mark back so GO waits for it
+            self.a.coord.store.add(f"ipready/{r.target}", -1)  # type: ignore[union-attr]
+            r.node_ready_marked = False
         for lr in failed:
             self._respawn(lr)
 
