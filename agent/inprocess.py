@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -304,8 +303,6 @@ class InProcess:
             self._check_done()
         if self.round is not None:
             self._advance_round(now, live)
-        elif self.completing:
-            pass
 
     def _check_progress(self, now: float, live: dict) -> None:
         pt = self.cfg.progress_timeout

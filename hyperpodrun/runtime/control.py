@@ -11,7 +11,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import zmq
 

@@ -66,6 +66,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from _common import find_launcher
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "inprocess_worker.py")
 MODES = ("inprocess", "inprocess-asis", "process", "torchrun")
@@ -75,15 +77,6 @@ LABELS = {"inprocess": "hyperpodrun --inprocess-restart (+ workarounds A, B)",
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def find_launcher(name: str) -> str:
-    """The launcher next to this Python (the venv's bin/), else on PATH."""
-    cand = os.path.join(os.path.dirname(sys.executable), name)
-    if os.path.exists(cand):
-        return cand
-    found = shutil.which(name)
-    if not found:
-        raise SystemExit(f"{name} not found next to {sys.executable} nor on PATH")
-    return found
 
 
 def median(xs: list[float]) -> Optional[float]:

@@ -38,20 +38,13 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from _common import find_launcher
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "bench_worker.py")
 SCENARIOS = ("startup", "restart-term", "restart-term-unshared", "restart-ignore")
 
 
-def find_launcher(name: str) -> str:
-    """The launcher next to this Python (the venv's bin/), else on PATH."""
-    cand = os.path.join(os.path.dirname(sys.executable), name)
-    if os.path.exists(cand):
-        return cand
-    found = shutil.which(name)
-    if not found:
-        raise SystemExit(f"{name} not found next to {sys.executable} nor on PATH")
-    return found
 
 
 def launcher_argv(launcher: str, exe: str, scenario: str, nproc: int, log_dir: str) -> list[str]:
