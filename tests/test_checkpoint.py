@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -71,19 +72,36 @@ def reference(tmp_path_factory):
     return get
 
 
+# Faults at a random rank and step (the seed is printed; HYPERPODRUN_TEST_SEED repeats a run). Each case
+# is two successive faults: the second fires in generation 1, after the first recovery.
+SEED = int(os.environ.get("HYPERPODRUN_TEST_SEED", random.randrange(1 << 30)))
+print(f"test_checkpoint: HYPERPODRUN_TEST_SEED={SEED}")
+_rng = random.Random(SEED)
+
+
+def _two_faults(first: str, second: str) -> str:
+    (k1, w1), (k2, w2) = first.split("@"), second.split("@")
+    s1 = _rng.randrange(1, 5)
+    s2 = _rng.randrange(s1 + 1, 9)
+    return f"{k1}:{_rng.randrange(4)}:{s1}:{w1};{k2}:{_rng.randrange(4)}:{s2}:{w2}:1"
+
+
+CASES = [
+    # hand-written all-reduce loop, DDP (gradient all-reduce in its comm hook), FSDP2 (DTensor shards;
+    # "allreduce" = inside backward while gradient reduce-scatters are in flight)
+    (mode, _two_faults(*pair), extra)
+    for mode in ("allreduce", "ddp", "fsdp2")
+    for pair, extra in ((("kill@top", "raise@allreduce"), ""),            # SIGKILL, then exception in the collective
+                        (("raise@prestep", "kill@top"), "checksum+offload"))  # between backward and step, then SIGKILL
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,faults", [
-    # SIGKILL of a rank mid-training, then an exception inside the gradient all-reduce
-    ("allreduce", "kill:2:4:top;raise:1:6:allreduce:1"),
-    # an exception between backward and optimizer step, then SIGKILL of rank 0 (checksum + offload on)
-    ("allreduce", "raise:3:3:prestep;kill:0:7:top:1"),
-    # FSDP2 shards (DTensor): SIGKILL, then an exception between backward and step
-    ("fsdp2", "kill:1:4:top;raise:2:7:prestep:1"),
-])
-def test_recovered_run_is_bitwise_equal(tmp_path, reference, mode, faults):
+@pytest.mark.parametrize("mode,faults,extra", CASES)
+def test_recovered_run_is_bitwise_equal(tmp_path, reference, mode, faults, extra):
     rc, out, err = run_job(tmp_path, "faulty", mode, faults,
-                           extra_env={"CHECKSUM": "1", "OFFLOAD": "1"} if "kill:0" in faults else None)
-    assert rc == 0, err[-3000:]
+                           extra_env={"CHECKSUM": "1", "OFFLOAD": "1"} if extra else None)
+    assert rc == 0, f"FAULTS={faults} seed={SEED}\n" + err[-3000:]
     assert_same(reference(mode), out)
     restored = [e for e in events(tmp_path, "faulty") if e["event"] == "state_restored"]
     assert restored, "no state_restored event in the agent log"

@@ -36,6 +36,7 @@ import zlib
 from typing import Any, Mapping, Optional
 
 from hyperpodrun.errors import EXIT_STATE_LOST
+from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -149,11 +150,13 @@ class CheckpointManager:
         self._caller: Any = None
         self._writer: Optional[threading.Thread] = None
         self.last_saved: Optional[int] = None
+        self._layouts = LayoutKeeper()
 
     # ------------------------------------------------------------------ wiring
     def _attach(self, caller: Any, session: Any) -> None:
         """Called by HPWrapper at every (re-)entry."""
         self._caller, self._session = caller, session
+        self._layouts.reset()
 
     @property
     def rank(self) -> int:
@@ -180,7 +183,7 @@ class CheckpointManager:
 
     def _encode(self, step: int, state: Mapping[str, Any]) -> bytes:
         import torch
-        payload = {"step": step, "rng": _rng_state(), "state": {}}
+        payload = {"step": step, "rng": _rng_state(), "state": {}, "ddp_layouts": self._layouts.collect()}
         for name, obj in state.items():
             if hasattr(obj, "state_dict") and callable(obj.state_dict):
                 payload["state"][name] = ("sd", _to_host(obj.state_dict()))
@@ -300,6 +303,8 @@ class CheckpointManager:
                     _fix_optimizer_dtensors(obj)
             elif isinstance(state, dict):
                 state[name] = saved  # type: ignore[index]
+        if payload.get("ddp_layouts"):
+            self._layouts.restore(payload["ddp_layouts"])
         _set_rng_state(payload["rng"])
 
     def wait(self) -> None:

@@ -44,17 +44,25 @@ def build(rank):
     model = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, 4 * DIM), nn.GELU(),
                           nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
     if MODE == "ddp":
-        net = nn.parallel.DistributedDataParallel(model)
+        # small buckets, as a large model has several of the default 25 MB
+        net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
     elif MODE == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         net = fully_shard(model)
+
+        def fault_in_backward(module, grad_output):   # reduce-scatters of later layers are in flight here
+            maybe_fault("allreduce", current["step"], rank, current["gen"])
+        model[2].register_full_backward_pre_hook(fault_in_backward)
     else:
         net = model
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     return net, opt
+
+
+current = {"step": 0, "gen": 0}
 
 
 def batch(step, rank):
@@ -68,11 +76,19 @@ def main(caller=None):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
     net, opt = build(rank)
+    if MODE == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def faulty_allreduce(pg, bucket):   # the default all-reduce, with a fault point inside it
+            maybe_fault("allreduce", current["step"], rank, caller.iteration)
+            return allreduce_hook(pg, bucket)
+        net.register_comm_hook(None, faulty_allreduce)
     state = {"model": net, "opt": opt}
     start = cm.restore(state) or 0
     with open(os.path.join(OUT_DIR, f"entries.rank{rank}"), "a") as fh:
         fh.write(f"{caller.iteration} {start} {os.getpid()}\n")
     for step in range(start, STEPS):
+        current["step"], current["gen"] = step, caller.iteration
         caller.progress(step)
         maybe_fault("top", step, rank, caller.iteration)
         x, y = batch(step, rank)
