@@ -20,6 +20,7 @@ from agent import stores
 from agent.coordination import Coordinator, Watcher
 from agent.events import EventLog
 from agent.control import ControlServer
+from agent.gpu_health import GpuHealth
 from agent.hooks import run_hook
 from agent.inprocess import InProcess
 from agent.rendezvous import Rendezvous, RendezvousInterrupted, hostname, rendezvous
@@ -28,7 +29,7 @@ from agent.supervisor import Reaper, Supervisor, WorkerProcess, become_subreaper
 from agent.tee import Tee
 from agent.workers import WorkerLauncher
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_RESTARTS_EXHAUSTED, HyperpodrunError
+from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED, HyperpodrunError
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -55,6 +56,7 @@ class Agent:
         self.launcher: Optional[WorkerLauncher] = None
         self.control: Optional[ControlServer] = None
         self.inproc: Optional[InProcess] = None
+        self.gpu: Optional[GpuHealth] = None
         self._warned_unwrapped = False
         self.generation = 0
         self.exit_code: Optional[int] = None
@@ -104,13 +106,18 @@ class Agent:
         if self.rdzv.store_host:
             self.wstores = stores.WorkerStores("0.0.0.0" if not self.rdzv.single_node else "127.0.0.1")
         self.tee = Tee()
-        if cfg.inprocess_restart:
+        if cfg.health_check != "none":
+            self.gpu = GpuHealth(self)    # NVML monitor thread (or one info line why not): agent/gpu_health.py
+        if cfg.inprocess_restart or self.gpu is not None:   # the control socket also takes injected GPU events
             self.control = ControlServer()
+        if cfg.inprocess_restart:
             self.inproc = InProcess(self)
+        if self.control is not None:
             self._write_agent_info(run_dir)
         self.launcher = WorkerLauncher(cfg, self.rdzv, run_dir, self.host, self.sup, self.tee, self.events,
-                                       control=self.control.endpoint if self.control else None,
-                                       on_spawn=self.inproc.on_spawn if self.inproc else None)
+                                       control=self.control.endpoint if self.inproc and self.control else None,
+                                       on_spawn=self.inproc.on_spawn if self.inproc else None,
+                                       env_for=self.gpu.env_for if self.gpu else None)
 
         if cfg.pre_train_script and not self._signals:
             code = run_hook("pre-train", cfg.pre_train_script, cfg.pre_train_args, self.events, self.sup,
@@ -253,6 +260,8 @@ class Agent:
             self._on_remote_generation(int(event[1]))
         elif kind == "failed":
             self._on_remote_failure(event[1])
+        elif kind == "gpu" and self.gpu is not None:
+            self.gpu.on_event(event[1])
         elif kind == "store_lost":
             if self.phase not in ("done",) and not (self.phase == "finishing" and not self.rdzv.store_host):
                 if self.phase != "stopping":
@@ -279,7 +288,10 @@ class Agent:
         self.first_failure = self.first_failure or info
         self.events.emit("job_failed_remote", f"job failed on {info.get('host')}: {info.get('summary', '')}",
                          level=logging.ERROR)
-        self._begin_stop(("exit", int(info.get("exit_code", 1))), self.cfg.shutdown_signal)
+        code = int(info.get("exit_code", 1))
+        if code == EXIT_NO_USABLE_GPU:   # only the node without a usable GPU asks to be replaced
+            code = EXIT_AGENT_ERROR
+        self._begin_stop(("exit", code), self.cfg.shutdown_signal)
 
     def _on_exit(self, proc: WorkerProcess) -> None:
         assert self.sup is not None and self.tee is not None and self.launcher is not None
@@ -316,8 +328,13 @@ class Agent:
                 "exit_code": shell_code(code), "cause": describe_exit(code), "generation": self.generation,
                 "error_file": self.launcher.error_file(proc)}
         info["summary"] = failure_summary(info)
-        self.events.emit("fault", f"rank {proc.rank} failed: {describe_exit(code)}", rank=proc.rank,
-                         exit_code=shell_code(code), generation=self.generation, level=logging.ERROR)
+        self._restart_or_fail(info, f"rank {proc.rank} failed: {describe_exit(code)}")
+
+    def _restart_or_fail(self, info: dict[str, Any], message: str) -> None:
+        """Process-level: restart every worker of the job while the budget lasts, else end the job."""
+        assert self.coord is not None
+        self.events.emit("fault", message, rank=info.get("rank"), exit_code=info["exit_code"],
+                         generation=self.generation, level=logging.ERROR)
         target, started, budget_ok = self.coord.request_restart(self.generation, info, count_budget=True)
         if budget_ok:
             used = self.coord.restarts_used()
@@ -329,6 +346,22 @@ class Agent:
         self.first_failure = info
         self.coord.report_failure(info)
         self._begin_stop(("exit", info["exit_code"]), self.cfg.shutdown_signal)
+
+    def rank_gpu_fault(self, local_rank: int, info: dict[str, Any]) -> None:
+        """The rank's GPU failed (agent/gpu_health.py decided): the rank is faulty. In-process, only it is replaced;
+        otherwise it is killed and every worker restarts (process level). Already stopping: nothing more to do,
+        the respawn uses the new GPU assignment."""
+        assert self.sup is not None
+        if self.inproc is not None and self.inproc.ever_hello and self.phase in ("running", "restarting"):
+            self.inproc.fault(info, failed=(local_rank,))
+            return
+        if self.phase != "running":
+            return
+        proc = self.sup.workers.get(local_rank)
+        if proc is not None and proc.alive:
+            self.sup.kill(proc)
+        self.detect_t = time.monotonic()
+        self._restart_or_fail(info, f"rank {info['rank']} failed: {info['cause']}")
 
     def _on_local_success(self) -> None:
         assert self.coord is not None and self.rdzv is not None
@@ -367,12 +400,26 @@ class Agent:
         if isinstance(msg, P.InjectRequest):
             self._on_inject(ident, msg)
             return
+        if self.gpu is not None and isinstance(msg, (P.Hello, P.Heartbeat)) and (msg.device_uuid or msg.pci_bus_id):
+            self.gpu.on_report(msg.rank, msg.pid, msg.device_uuid, msg.pci_bus_id)
         if self.inproc is not None:
             self.inproc.on_message(ident, msg)
 
     def _on_inject(self, ident: bytes, req: Any) -> None:
         from hyperpodrun import protocol as P
-        assert self.control is not None and self.inproc is not None
+        assert self.control is not None
+        if req.kind in ("nvml-xid", "gpu-lost"):
+            ok, detail = self.gpu.inject(req.rank, req.kind, req.xid) if self.gpu is not None else \
+                (False, "GPU health checks are off (--health-check none)")
+            if ok:
+                self.events.emit("inject", f"fault injection: {detail}", rank=req.rank, kind=req.kind, xid=req.xid,
+                                 level=logging.WARNING)
+            self.control.send(ident, P.InjectReply(ok=ok, detail=detail))
+            return
+        if self.inproc is None:
+            self.control.send(ident, P.InjectReply(ok=False, detail=f"--kind {req.kind} needs a job started with "
+                                                   "--inprocess-restart"))
+            return
         st = self.inproc.by_rank(req.rank)
         if st is None or st.pid is None:
             self.control.send(ident, P.InjectReply(ok=False, detail=f"rank {req.rank} is not on this node"))
@@ -502,6 +549,8 @@ class Agent:
     def _finish(self, code: int) -> None:
         self.exit_code = code
         self.phase = "done"
+        if self.gpu is not None:
+            self.gpu.report()
         if code != 0 and self.first_failure is not None:
             summary = failure_summary(self.first_failure, with_traceback=True)
             self.events.emit("job_failed", summary, level=logging.ERROR, exit_code=code)
@@ -513,6 +562,8 @@ class Agent:
     def _cleanup(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        if self.gpu is not None:
+            self.gpu.stop()
         if self.sup is not None:
             live = self.sup.live()
             if live:

@@ -35,7 +35,8 @@ class WorkerLauncher:
 
     def __init__(self, cfg: LaunchConfig, rdzv: Rendezvous, run_dir: str, host: str, sup: Supervisor, tee: Tee,
                  events: Any, control: Optional[str] = None,
-                 on_spawn: Optional[Callable[[int, int], None]] = None) -> None:
+                 on_spawn: Optional[Callable[[int, int], None]] = None,
+                 env_for: Optional[Callable[[int], dict[str, str]]] = None) -> None:
         self.cfg = cfg
         self.rdzv = rdzv
         self.run_dir = run_dir
@@ -45,6 +46,7 @@ class WorkerLauncher:
         self.events = events
         self.control = control
         self.on_spawn = on_spawn
+        self.env_for = env_for      # per-rank additions (a rank moved to a spare GPU: CUDA_VISIBLE_DEVICES)
         self.argv = worker_argv(cfg)
         self.base_env = self._base_env()
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
@@ -94,6 +96,8 @@ class WorkerLauncher:
                          generation=generation, max_restarts=self.cfg.max_restarts, run_id=self.rdzv.run_id,
                          error_file=error_file, run_dir=self.run_dir, host=self.host, control=self.control,
                          inprocess=self.cfg.inprocess_restart, heartbeat_interval=self.cfg.heartbeat_interval)
+        if self.env_for is not None:
+            env.update(self.env_for(local_rank))
         for path in (out, err):
             if path:
                 open(path, "ab").close()

@@ -242,6 +242,7 @@ def build_config(opts: dict[str, Any], script: str, script_args: tuple[str, ...]
             inprocess_timeout=opts["inprocess_timeout"], heartbeat_interval=opts["heartbeat_interval"],
             heartbeat_timeout=opts["heartbeat_timeout"], progress_timeout=opts["progress_timeout"],
             max_step_failures=opts["max_step_failures"],
+            health_check=opts["health_check"], health_interval=opts["health_interval"],
             log_dir=_check_log_dir(opts["log_dir"] or default_log_dir()),
             redirects=parse_std_map(opts["redirects"], "--redirects", nproc) if opts["redirects"] not in (None, "0")
             else {},
@@ -299,6 +300,9 @@ POS = click.FloatRange(min=0, min_open=True)
 @oopt("--heartbeat-timeout", default=10.0, type=POS, help="A worker silent this long is hung.")
 @oopt("--progress-timeout", default=None, type=POS, help="A rank without progress this long is stuck (off).")
 @oopt("--max-step-failures", default=3, type=click.IntRange(min=1), help="Stop when one step fails this often.")
+@oopt("--health-check", default="auto", type=click.Choice(["auto", "nvml", "none"]),
+      help="GPU health monitor: auto (NVML where it loads), nvml (required), none.")
+@oopt("--health-interval", default=5.0, type=POS, help="Seconds between NVML polls (ECC, row remap, throttling).")
 @oopt("--pre-train-script", default=None, help="Run before the workers start (once per node).")
 @oopt("--pre-train-args", default="", help="Arguments of the pre-train script (one shell-quoted string).")
 @oopt("--post-train-script", default=None, help="Run after the workers end (once per node).")
@@ -315,6 +319,11 @@ def launch(training_script: str, training_script_args: tuple[str, ...], **opts: 
         cfg = build_config(opts, training_script, training_script_args)
     except ConfigError as exc:
         raise _fail(str(exc))
+    if cfg.health_check == "nvml":
+        from agent.nvml_backend import NVML_FIX, probe_nvml
+        problem = probe_nvml()
+        if problem:
+            raise _fail(f"--health-check nvml: {problem}. Fix: {NVML_FIX}")
     _setup_logging()
     from agent.agent import Agent  # the agent (and torch) load only once the flags are valid
     _exit_now(Agent(cfg).run())

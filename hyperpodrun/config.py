@@ -148,6 +148,10 @@ class LaunchConfig(BaseModel):
     progress_timeout: Optional[float] = Field(None, gt=0)
     max_step_failures: int = Field(3, ge=1)
 
+    # GPU health (agent/gpu_health.py): NVML monitor where it loads (auto), required (nvml), or off (none)
+    health_check: Literal["auto", "nvml", "none"] = "auto"
+    health_interval: float = Field(5.0, gt=0)
+
     # logs
     log_dir: str = Field(default_factory=default_log_dir)
     redirects: dict[int, int] = Field(default_factory=dict)

@@ -34,6 +34,8 @@ class Heartbeat(_Msg):
     step: Optional[int] = None
     seq: Optional[int] = None          # collective sequence number of the default process group
     state: str = "running"             # running | recovering | waiting | done
+    device_uuid: Optional[str] = None  # the rank's CUDA device, once CUDA is initialised (NVML monitor's map)
+    pci_bus_id: Optional[str] = None
 
 
 class Fault(_Msg):

@@ -106,21 +106,37 @@ def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool
         time.sleep(0.2)
 
 
+GPU_KINDS = ("nvml-xid", "gpu-lost")
+
+
 @tools.command("inject")
 @click.argument("log_dir", required=False)
 @click.option("--rank", type=click.IntRange(min=0), required=True, help="Global rank to hit.")
-@click.option("--kind", type=click.Choice(["kill", "segv", "exit", "raise", "hang", "hang-gil", "hang-c"]),
+@click.option("--kind", type=click.Choice(["kill", "segv", "exit", "raise", "hang", "hang-gil", "hang-c", *GPU_KINDS]),
               required=True, help="kill/segv/exit: the process dies; raise: an exception; hang: a Python loop; "
-              "hang-gil: a C call holding the GIL; hang-c: a C call without the GIL (like a stuck collective).")
+              "hang-gil: a C call holding the GIL; hang-c: a C call without the GIL (like a stuck collective); "
+              "nvml-xid: a synthetic NVML XID event (--xid) on the rank's GPU; gpu-lost: its GPU stops answering.")
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="Fire when the rank reports progress at or past this step (default: now / next progress).")
 @click.option("--exit-code", type=click.IntRange(0, 255), default=1, help="Exit code for --kind exit.")
+@click.option("--xid", type=click.IntRange(min=0), default=None, help="XID number for --kind nvml-xid (e.g. 79).")
 @click.option("--timeout", type=float, default=10.0, help="Seconds to wait for the agent's answer.")
-def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], exit_code: int, timeout: float) -> None:
-    """Inject a fault into a running --inprocess-restart job (chaos drills, tests)."""
+def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], exit_code: int, xid: Optional[int],
+           timeout: float) -> None:
+    """Inject a fault into a running job (chaos drills, tests).
+
+    Process faults need a job started with --inprocess-restart; GPU events (nvml-xid, gpu-lost) go to the
+    agent's GPU health handling, as if NVML had reported them, in any job with --health-check auto or nvml.
+    """
     import zmq
 
     from hyperpodrun import protocol as P
+    if kind in GPU_KINDS and step is not None:
+        raise click.UsageError(f"--step does not apply to --kind {kind}: a GPU event is delivered now")
+    if kind == "nvml-xid" and xid is None:
+        raise click.UsageError("--kind nvml-xid needs --xid N (e.g. --xid 79: GPU fallen off the bus)")
+    if kind != "nvml-xid" and xid is not None:
+        raise click.UsageError("--xid only goes with --kind nvml-xid")
     run = resolve_run(log_dir)
     target = None
     for path in sorted(glob.glob(os.path.join(run, "node*.agent.json"))):
@@ -129,7 +145,8 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
         if info["rank_offset"] <= rank < info["rank_offset"] + info["nproc_per_node"]:
             target = info
     if target is None:
-        raise click.UsageError(f"no running --inprocess-restart agent of {run} hosts rank {rank}")
+        raise click.UsageError(f"no running agent of {run} that takes injections hosts rank {rank} (process faults "
+                               "need --inprocess-restart; GPU events need --health-check auto or nvml)")
     ctx = zmq.Context()
     deadline = time.monotonic() + timeout
     try:
@@ -137,7 +154,7 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(target["control"])
-            sock.send(P.encode(P.InjectRequest(rank=rank, kind=kind, step=step, exit_code=exit_code)))
+            sock.send(P.encode(P.InjectRequest(rank=rank, kind=kind, step=step, exit_code=exit_code, xid=xid)))
             left = max(0.0, deadline - time.monotonic())
             if not sock.poll(int(left * 1000)):
                 sock.close()

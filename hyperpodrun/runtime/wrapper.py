@@ -30,7 +30,7 @@ from hyperpodrun.errors import EXIT_WORKER_UNHEALTHY
 from hyperpodrun.runtime.checkpoint import StateLostError
 from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, CheckpointlessFinalizeCleanup,
                                        mark_generation_start, park_process_groups, release_parked)
-from hyperpodrun.runtime.health import HealthCheckError
+from hyperpodrun.runtime.health import CudaHealthCheck, HealthCheckError
 from hyperpodrun.runtime.inject import Injector, execute
 from hyperpodrun.runtime.interrupt import Interrupter, RestartInterrupt
 
@@ -109,6 +109,8 @@ class CallWrapper:
         self.step = int(step)
         if self._session is not None:
             self._session.step = self.step
+            if not self._session.device:
+                self._session.device = _device_ids()   # main thread: its current device is the rank's GPU
             self._session.injector.fire_due(self.step, self.iteration)
 
     @property
@@ -135,6 +137,7 @@ class _Session:
         self.generation = int(os.environ.get(E.HYPERPODRUN_GENERATION, 0))
         self.step: Optional[int] = None
         self.state = "running"
+        self.device: dict = _device_ids()   # GPU UUID / PCI bus id, once CUDA is initialised
         self.interrupter = Interrupter()
         self.interrupter.install_optimizer_hooks()
         self._park_on_destroy()
@@ -147,7 +150,7 @@ class _Session:
         self.client = ControlClient(os.environ[E.HYPERPODRUN_CONTROL], self.rank, interval, self._on_command,
                                     self._status)
         self.client.start(P.Hello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
-                                  generation=self.generation, **_device_ids(self.local_rank)))
+                                  generation=self.generation, **self.device))
 
     @staticmethod
     def _park_on_destroy() -> None:
@@ -178,7 +181,8 @@ class _Session:
 
     # monitor thread
     def _status(self) -> dict:
-        return {"generation": self.generation, "step": self.step, "seq": _collective_seq(), "state": self.state}
+        return {"generation": self.generation, "step": self.step, "seq": _collective_seq(), "state": self.state,
+                **self.device}
 
     def _on_command(self, msg: P._Msg) -> None:
         if isinstance(msg, P.Restart):
@@ -209,13 +213,17 @@ class _Session:
         self.client.send(msg)
 
 
-def _device_ids(local_rank: int) -> dict:
-    """GPU UUID / PCI bus id for the agent's NVML monitor (only when CUDA is already in use)."""
+def _device_ids() -> dict:
+    """GPU UUID / PCI bus id of this thread's current CUDA device, for the agent's NVML monitor; {} until CUDA is in
+    use (cheap then: called at every progress() until it answers)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
     try:
-        import torch
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():
             props = torch.cuda.get_device_properties(torch.cuda.current_device())
-            return {"device_uuid": f"GPU-{props.uuid}",
+            uuid = str(props.uuid)
+            return {"device_uuid": uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}",
                     "pci_bus_id": f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"}
     except Exception:
         pass
@@ -296,10 +304,11 @@ def _secondary(exc: BaseException) -> bool:
 class HPWrapper:
     """Decorator that makes a function a re-executable block under `hyperpodrun --inprocess-restart`.
 
-    health_check, abort, finalize: callables run at every restart (defaults: no health check, abort the
-    process groups, end child processes and collect garbage). abort_timeout: seconds abort may take before
-    this process gives up and is replaced. checkpoint_manager: restores state on re-entry (see
-    CheckpointManager). fatal_exceptions: exception classes that end the job instead of restarting it.
+    health_check, abort, finalize: callables run at every restart (defaults: CudaHealthCheck(), which passes
+    without CUDA; abort the process groups; end child processes and collect garbage). abort_timeout: seconds
+    abort may take before this process gives up and is replaced. checkpoint_manager: restores state on
+    re-entry (see CheckpointManager). fatal_exceptions: exception classes that end the job instead of
+    restarting it.
     """
 
     def __init__(self, *, health_check: Optional[Callable[[], Any]] = None,
@@ -308,7 +317,7 @@ class HPWrapper:
                  fatal_exceptions: tuple[type[BaseException], ...] = DEFAULT_FATAL) -> None:
         if abort_timeout <= 0:
             raise ValueError(f"HPWrapper(abort_timeout={abort_timeout}): must be positive seconds")
-        self.health_check = health_check
+        self.health_check = health_check if health_check is not None else CudaHealthCheck()
         self.abort = abort if abort is not None else CheckpointlessAbortManager.get_default_checkpointless_abort()
         self.finalize = finalize if finalize is not None else CheckpointlessFinalizeCleanup()
         self.abort_timeout = abort_timeout
