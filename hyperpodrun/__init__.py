@@ -20,6 +20,10 @@ _LAZY = {
     "AbortProcessGroups": "hyperpodrun.runtime.abort",
     "CheckpointManager": "hyperpodrun.runtime.checkpoint",
     "StateLostError": "hyperpodrun.runtime.checkpoint",
+    "CacheResumeMMAPConfig": "hyperpodrun.data",
+    "MMAPDataModule": "hyperpodrun.data",
+    "MMAPDataLoader": "hyperpodrun.data",
+    "ResumableSampler": "hyperpodrun.data",
 }
 
 __all__ = ["__version__", *_LAZY]

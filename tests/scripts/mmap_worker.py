@@ -1,0 +1,126 @@
+"""Worker of the MMAP cache job tests: a small gloo training loop whose data comes through MMAPDataLoader.
+
+Deterministic data: sample i is built from a generator seeded with i (a uint8 "image", float features, a
+label, a string); two data shards (shard = rank // 2, as with tensor-parallel pairs), a ResumableSampler
+per shard, 8 batches per epoch, so STEPS = 24 crosses two epoch boundaries. State (a linear model) is
+saved with CheckpointManager after every step and restored on re-entry; the stream resumes at the
+restored step.
+
+Every consumed batch is recorded as one JSON line in OUT_DIR/rank<r>.jsonl:
+  {"ev": "batch", "pid", "it", "step", "h": sha256 of the batch's bytes}
+and at the end {"ev": "done", "pid", "it", "stats", "seeks", "max_files", "max_bytes", "groups", "owner"}.
+A process that re-entered or started for a later generation also records {"ev": "enter", "start", ...}.
+
+Environment: OUT_DIR, CACHE_DIR, STEPS (24), FAULTS (';'-separated kind:rank:step[:gen], kind raise|kill,
+fired after batch `step` was consumed, before the step is saved), SHARE=1 (share_key per data shard),
+MAX_BYTES, PREFETCH (4), LOOKBACK (2), WORKERS (DataLoader workers, 0).
+"""
+import datetime
+import hashlib
+import json
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from hyperpodrun import CacheResumeMMAPConfig, CheckpointManager, HPWrapper, MMAPDataLoader, ResumableSampler
+
+OUT = os.environ["OUT_DIR"]
+STEPS = int(os.environ.get("STEPS", "24"))
+FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+cm = CheckpointManager()
+
+
+class Samples(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"img": torch.randint(0, 256, (3, 8, 8), generator=g, dtype=torch.uint8),
+                "feat": torch.randn(16, generator=g),
+                "label": i % 10, "name": f"sample-{i}"}
+
+
+def digest(obj, h):
+    if isinstance(obj, torch.Tensor):
+        h.update(f"{obj.dtype}{tuple(obj.shape)}".encode())
+        h.update(obj.contiguous().view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            h.update(str(k).encode())
+            digest(obj[k], h)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            digest(v, h)
+    else:
+        h.update(repr(obj).encode())
+    return h
+
+
+def record(ev, **fields):
+    line = json.dumps({"ev": ev, "pid": os.getpid(), **fields}) + "\n"
+    with open(os.path.join(OUT, f"rank{RANK}.jsonl"), "a") as fh:
+        fh.write(line)
+
+
+def maybe_fault(step, generation):
+    for kind, frank, fstep, *gen in FAULTS:
+        if int(frank) == RANK and int(fstep) == step and int(gen[0] if gen else 0) == generation:
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault at step {step}")
+
+
+ds = Samples()
+shards = max(1, WORLD // 2)
+sampler = ResumableSampler(ds, seed=7, num_replicas=shards, rank=(RANK // 2) % shards)
+config = CacheResumeMMAPConfig(
+    cache_dir=os.environ["CACHE_DIR"], prefetch_length=int(os.environ.get("PREFETCH", "4")),
+    lookback_length=int(os.environ.get("LOOKBACK", "2")),
+    share_key=f"dp{RANK // 2}" if os.environ.get("SHARE") == "1" else None,
+    max_bytes=int(os.environ["MAX_BYTES"]) if os.environ.get("MAX_BYTES") else None, wait_timeout=60)
+loader = MMAPDataLoader(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=int(os.environ.get("WORKERS", "0"))),
+                        config)
+
+
+@HPWrapper(checkpoint_manager=cm, abort_timeout=30)
+def main(caller=None):
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "opt": opt}
+    start = cm.restore(state) or 0
+    record("enter", it=caller.iteration, start=start)
+    max_files = max_bytes = groups = 0
+    for step, batch in loader.iter_from(start, stop=STEPS):
+        caller.progress(step)
+        record("batch", it=caller.iteration, step=step, h=digest(batch, hashlib.sha256()).hexdigest())
+        if loader.group_dir and os.path.isdir(loader.group_dir):
+            files = [f for f in os.listdir(loader.group_dir) if f.endswith(".batch")]
+            max_files = max(max_files, len(files))
+            max_bytes = max(max_bytes, sum(os.path.getsize(os.path.join(loader.group_dir, f)) for f in files
+                                           if os.path.exists(os.path.join(loader.group_dir, f))))
+            run_dir = os.path.dirname(loader.group_dir)
+            groups = max(groups, len([d for d in os.listdir(run_dir) if os.path.isdir(os.path.join(run_dir, d))]))
+        maybe_fault(step, caller.iteration)
+        loss = model(batch["feat"]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        cm.save(step + 1, state)
+    producer = loader.producer
+    record("done", it=caller.iteration, stats=loader.stats, seeks=producer.seeks if producer else None,
+           owner=producer is not None, max_files=max_files, max_bytes=max_bytes, groups=groups)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
