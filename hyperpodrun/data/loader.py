@@ -104,7 +104,7 @@ class MMAPDataLoader:
         self.stats: dict[str, Any] = {"cached": 0, "direct": 0, "wait_s": 0.0, "first_batch_s": None}
         self._token = 0
         self._direct: Optional[Source] = None
-        self._pending: Optional[tuple[int, Any, dict]] = None
+        self._pending: Optional[tuple[int, Any, dict, str]] = None
         self._group: Optional[groups.Group] = None
 
     # ------------------------------------------------------------------ public API
@@ -202,9 +202,7 @@ class MMAPDataLoader:
                     raise CacheCorruptError(f"{path} holds step {meta.get('step')}, not {step}")
                 self.stats["wait_s"] += time.monotonic() - t0
                 return batch, meta
-            reason = group.degraded()
-            if reason is not None:
-                _warn_degraded(group.path, reason)
+            if group.degraded() is not None:
                 return _DEGRADED
             end = group.end_step()
             if end is not None and step >= end:
@@ -243,15 +241,16 @@ class MMAPDataLoader:
             group.set_position(self.rank, start)
             if group.try_own():
                 self._start_producer(group)
-        elif group is not None:
-            _warn_degraded(group.path, group.degraded() or "degraded")
-        step, first_epoch, finished, first = start, None, False, True
+        step, first_epoch, finished, first, warned = start, None, False, True, False
         try:
             while stop is None or step < stop:
+                if group is not None and not warned and group.degraded() is not None:
+                    _warn_degraded(group.path, group.degraded() or "degraded")
+                    warned = True
                 if self._pending is not None and self._pending[0] == step:
-                    _, batch, meta = self._pending
+                    _, batch, meta, origin = self._pending
                     self._pending = None
-                elif group is not None and group.degraded() is None:
+                elif group is not None and not warned:
                     group.set_position(self.rank, step)
                     got = self._from_cache(group, step)
                     if got is _END:
@@ -260,23 +259,24 @@ class MMAPDataLoader:
                     if got is _DEGRADED:
                         continue
                     batch, meta = got
-                    self.stats["cached"] += 1
+                    origin = "cached"
                 else:
                     item = self._direct_source(group, step).next()
                     if item is None:
                         finished = True
                         break
                     batch, meta = item
-                    self.stats["direct"] += 1
+                    origin = "direct"
                 if one_epoch:
                     if first_epoch is None:
                         first_epoch = meta["epoch"]
                     elif meta["epoch"] != first_epoch:
-                        self._pending = (step, batch, meta)
+                        self._pending = (step, batch, meta, origin)
                         break
                 if first:
                     self.stats["first_batch_s"] = time.monotonic() - t_call
                     first = False
+                self.stats[origin] += 1
                 self.cursor = step + 1
                 yield step, batch
                 step += 1

@@ -14,8 +14,9 @@ Ownership (who starts, restarts and reaps it):
   - or, in a shared group, any surviving consumer - becomes the producer and continues from the files.
 
 What it keeps: the batches of steps [m - lookback, m + prefetch) where m is the lowest step an unfinished
-consumer reads (its position file), at most prefetch_length + lookback_length files. Everything else is
-deleted. It fills the first missing step of that window; when its stream is not already there it
+consumer reads (its position file), at most prefetch_length + lookback_length files: batches behind the
+window are deleted; batches beyond it (a consumer went back after a restart) are kept while the bound
+allows, so they are not produced twice. It fills the first missing step of that window; when its stream is not already there it
 positions the wrapped loader with Source.seek (state of the cached batch before, or the step's index),
 never by reading the batches in between again (except resume="replay").
 """
@@ -101,13 +102,21 @@ class Producer(threading.Thread):
             if not self._fenced:
                 self.group.cond.wait(IDLE_POLL_S)
 
-    def _trim(self, lo: int, hi: int) -> None:
-        for step in [s for s in self.sizes if s < lo or s >= hi]:
-            try:
-                os.unlink(self.group.batch_path(step))
-            except FileNotFoundError:
-                pass
-            del self.sizes[step]
+    def _remove(self, step: int) -> None:
+        try:
+            os.unlink(self.group.batch_path(step))
+        except FileNotFoundError:
+            pass
+        del self.sizes[step]
+
+    def _trim(self, lo: int, hi: int, room: int = 0) -> None:
+        """Delete the batches behind the window; batches beyond it (left by a consumer that went back after
+        a restart) stay while the bound allows, so they need not be produced again."""
+        for step in [s for s in self.sizes if s < lo]:
+            self._remove(step)
+        ahead = sorted((s for s in self.sizes if s >= hi), reverse=True)
+        while ahead and len(self.sizes) + room > self.config.window:
+            self._remove(ahead.pop(0))
 
     def _loop(self) -> None:
         cfg = self.config
@@ -123,6 +132,7 @@ class Producer(threading.Thread):
             if target is None:
                 self._idle()
                 continue
+            self._trim(low - cfg.lookback_length, max(hi, low), room=1)
             if self.source.step != target:
                 self.source.seek(target, self.group.meta, list(self.sizes))
                 self.seeks.append((target, self.source.last_seek))

@@ -102,10 +102,14 @@ def main(caller=None):
         caller.progress(step)
         record("batch", it=caller.iteration, step=step, h=digest(batch, hashlib.sha256()).hexdigest())
         if loader.group_dir and os.path.isdir(loader.group_dir):
-            files = [f for f in os.listdir(loader.group_dir) if f.endswith(".batch")]
-            max_files = max(max_files, len(files))
-            max_bytes = max(max_bytes, sum(os.path.getsize(os.path.join(loader.group_dir, f)) for f in files
-                                           if os.path.exists(os.path.join(loader.group_dir, f))))
+            sizes = []
+            for entry in os.scandir(loader.group_dir):
+                if entry.name.endswith(".batch"):
+                    try:
+                        sizes.append(entry.stat().st_size)
+                    except FileNotFoundError:   # the producer deleted it meanwhile
+                        pass
+            max_files, max_bytes = max(max_files, len(sizes)), max(max_bytes, sum(sizes))
             run_dir = os.path.dirname(loader.group_dir)
             groups = max(groups, len([d for d in os.listdir(run_dir) if os.path.isdir(os.path.join(run_dir, d))]))
         maybe_fault(step, caller.iteration)
