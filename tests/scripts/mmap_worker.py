@@ -1,13 +1,13 @@
 """Worker of the MMAP cache job tests: a small gloo training loop whose data comes through MMAPDataLoader.
 
 Deterministic data: sample i is built from a generator seeded with i (a uint8 "image", float features, a
-label, a string); two data shards (shard = rank // 2, as with tensor-parallel pairs), a ResumableSampler
-per shard, 8 batches per epoch, so STEPS = 24 crosses two epoch boundaries. State (a linear model) is
+label, a string); two data shards (shard = (rank // 2) % 2, as with tensor-parallel pairs), a
+ResumableSampler per shard, 8 batches per epoch, so STEPS = 24 crosses two epoch boundaries. State (a linear model) is
 saved with CheckpointManager after every step and restored on re-entry; the stream resumes at the
 restored step.
 
 Every consumed batch is recorded as one JSON line in OUT_DIR/rank<r>.jsonl:
-  {"ev": "batch", "pid", "it", "step", "h": sha256 of the batch's bytes}
+  {"ev": "batch", "pid", "it", "step", "h": sha256 of the batch's bytes, "src": "cached" | "direct"}
 and at the end {"ev": "done", "pid", "it", "stats", "seeks", "max_files", "max_bytes", "groups", "owner"}.
 A process that re-entered or started for a later generation also records {"ev": "enter", "start", ...}.
 
@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ def digest(obj, h):
 
 
 def record(ev, **fields):
-    line = json.dumps({"ev": ev, "pid": os.getpid(), **fields}) + "\n"
+    line = json.dumps({"ev": ev, "pid": os.getpid(), "t": round(time.time(), 3), **fields}) + "\n"
     with open(os.path.join(OUT, f"rank{RANK}.jsonl"), "a") as fh:
         fh.write(line)
 
@@ -77,8 +78,7 @@ def maybe_fault(step, generation):
 
 
 ds = Samples()
-shards = max(1, WORLD // 2)
-sampler = ResumableSampler(ds, seed=7, num_replicas=shards, rank=(RANK // 2) % shards)
+sampler = ResumableSampler(ds, seed=7, num_replicas=2, rank=(RANK // 2) % 2)   # 2 shards whatever the world size
 config = CacheResumeMMAPConfig(
     cache_dir=os.environ["CACHE_DIR"], prefetch_length=int(os.environ.get("PREFETCH", "4")),
     lookback_length=int(os.environ.get("LOOKBACK", "2")),
@@ -98,9 +98,12 @@ def main(caller=None):
     start = cm.restore(state) or 0
     record("enter", it=caller.iteration, start=start)
     max_files = max_bytes = groups = 0
+    cached = loader.stats["cached"]
     for step, batch in loader.iter_from(start, stop=STEPS):
         caller.progress(step)
-        record("batch", it=caller.iteration, step=step, h=digest(batch, hashlib.sha256()).hexdigest())
+        src = "cached" if loader.stats["cached"] > cached else "direct"
+        cached = loader.stats["cached"]
+        record("batch", it=caller.iteration, step=step, h=digest(batch, hashlib.sha256()).hexdigest(), src=src)
         if loader.group_dir and os.path.isdir(loader.group_dir):
             sizes = []
             for entry in os.scandir(loader.group_dir):
