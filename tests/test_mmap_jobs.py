@@ -100,7 +100,7 @@ def check_against(reference: dict, out: Path, *, generations: set[int], info: st
 def test_inprocess_restart_and_respawned_rank_resume_from_the_cache(tmp_path, reference):
     # an exception in rank 1 at step 6 (in-process restart of everyone), then SIGKILL of rank 2 at step 14
     # in generation 1 (rank 2 is respawned, the others restart in-process)
-    rc, out, cache, err = run_job(tmp_path, "faults", INPROCESS, FAULTS="raise:1:6;kill:2:14:1")
+    rc, out, cache, err = run_job(tmp_path, "faults", INPROCESS, FAULTS="raise:1:6;kill:2:14:1", WORKERS="1")
     assert rc == 0, err[-4000:]
     every = check_against(reference, out, generations={0, 1, 2}, info=err[-3000:])
     rank2_pids = {r["pid"] for r in every if r["rank"] == 2 and r["ev"] == "batch"}

@@ -6,9 +6,10 @@ Ownership (who starts, restarts and reaps it):
   to ask owns it and the others only read.
 - `MMAPDataLoader.iter_from()` starts it, and starts a new one at every call: after an in-process
   restart the wrapped function calls iter_from(restored step) again. The previous thread is fenced first
-  (it can never commit another file) and the new one waits for it to leave the wrapped loader before
-  iterating it (it may be blocked a few seconds in a DataLoader whose workers `finalize` ended), while
-  consumers already read the cached batches.
+  (it can never commit another file). Unless the loader's iterators are independent (a torch DataLoader
+  over a ResumableSampler without persistent workers), the new one waits for the old one to leave the
+  wrapped loader first: it may be blocked up to 5 s in a DataLoader whose workers `finalize` ended.
+  Consumers read the cached batches meanwhile.
 - It ends when fenced (a newer producer, `close()`, interpreter exit) or when the cache cannot take a
   batch (DEGRADED). It dies with its process; the kernel then releases the lock, and the respawned rank
   - or, in a shared group, any surviving consumer - becomes the producer and continues from the files.
@@ -74,7 +75,7 @@ class Producer(threading.Thread):
     # ------------------------------------------------------------------ thread
     def run(self) -> None:
         try:
-            if self.predecessor is not None:
+            if self.predecessor is not None and not self.source.independent:
                 self.predecessor.join(PREDECESSOR_JOIN_S)
                 if self.predecessor.is_alive():
                     log.warning("the previous MMAP producer of %s is still inside the wrapped loader after %gs; "

@@ -77,6 +77,12 @@ class Source:
         self.last_seek = ""                # how the last seek positioned the stream (tests, logs)
         self._generator = self._private_generator()
 
+    @property
+    def independent(self) -> bool:
+        """True when two iterators of the loader share no state (a torch DataLoader over a ResumableSampler
+        without persistent workers): a new producer need not wait until its predecessor let go of the loader."""
+        return self.kind == "sampler" and not getattr(self.loader, "persistent_workers", False)
+
     # ------------------------------------------------------------------ helpers
     def _private_generator(self) -> Optional[torch.Generator]:
         try:
