@@ -88,9 +88,10 @@ def _two_faults(first: str, second: str) -> str:
 
 CASES = [
     # hand-written all-reduce loop, DDP (gradient all-reduce in its comm hook), FSDP2 (DTensor shards;
-    # "allreduce" = inside backward while gradient reduce-scatters are in flight)
+    # "allreduce" = inside backward while gradient reduce-scatters are in flight), DDP with a ZeRO-1
+    # sharded optimizer (ZeroRedundancyOptimizer)
     (mode, _two_faults(*pair), extra)
-    for mode in ("allreduce", "ddp", "fsdp2")
+    for mode in ("allreduce", "ddp", "fsdp2", "zero")
     for pair, extra in ((("kill@top", "raise@allreduce"), ""),            # SIGKILL, then exception in the collective
                         (("raise@prestep", "kill@top"), "checksum+offload"))  # between backward and step, then SIGKILL
 ]
@@ -149,3 +150,74 @@ def test_state_lost_recovers_from_disk_fallback(tmp_path, reference):
     restored = [e for e in events(tmp_path, "fallback") if e["event"] == "state_restored"]
     assert restored and restored[0]["source"] == "disk"
     assert_same(reference("allreduce"), out)
+
+
+@pytest.mark.slow
+def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, reference):
+    """DDP replicates over its process group: a rank whose shared memory is gone recovers from a peer."""
+    rc, out, err = run_job(tmp_path, "replica", "ddp", "wipe-kill:2:4:top", extra_env={"CHECKSUM": "1"})
+    assert rc == 0, err[-3000:]
+    restored = [e for e in events(tmp_path, "replica") if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4
+    assert_same(reference("ddp"), out)
+
+
+@pytest.mark.slow
+def test_rank_and_its_replica_lost_together_end_with_exit_75(tmp_path):
+    """Explicit replica groups {0,2},{1,3}: losing 0 and 2 at once loses that state; no fallback -> 75."""
+    rc, out, err = run_job(tmp_path, "pairlost", "allreduce", "wipe-kill:0:4:top;wipe-kill:2:4:top",
+                           extra_env={"REPLICAS": "0,2/1,3"})
+    assert rc == 75, err[-3000:]
+    assert "rank(s) [0, 2]" in err and "survives nowhere" in err
+    entries = open(os.path.join(out, "entries.rank1")).read().split()
+    assert entries[:2] == ["0", "0"] and len(entries) == 3, f"a rank restarted training: {entries}"
+
+
+def test_replica_layout_is_validated():
+    from hyperpodrun import CheckpointManager
+    from hyperpodrun.runtime.replicas import ReplicaLayoutError, instance_groups, validate_groups
+    assert instance_groups(8, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ReplicaLayoutError, match="does not divide"):
+        instance_groups(6, 4)
+    with pytest.raises(ReplicaLayoutError, match="twice"):
+        validate_groups([[0, 1], [1, 2]], 4)
+    with pytest.raises(ReplicaLayoutError, match="world has 4"):
+        validate_groups([[0, 7]], 4)
+    with pytest.raises(ValueError, match="not both"):
+        CheckpointManager(replica_groups=[[0, 1]], num_distributed_optimizer_instances=2)
+
+
+@pytest.mark.slow
+def test_node_loss_recovers_from_the_copy_on_another_node(tmp_path, reference):
+    """2 nodes x 2 ranks, each node with its own shared memory: rank 0 dies together with its node's
+    snapshots; its slot copy on node 1 (rank 2) brings it back, and the run ends bitwise as without fault."""
+    from conftest import free_port
+    port = free_port()
+    out = tmp_path / "twonode"
+    out.mkdir()
+    procs = []
+    for node in (0, 1):
+        env = dict(os.environ, MODE="allreduce", OUT_DIR=str(out), FAULTS="wipe-kill:0:5:top", STEPS="10",
+                   DIM="64", HYPERPODRUN_SHM_DIR=str(tmp_path / f"shm-node{node}"))
+        cmd = [HYPERPODRUN, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "--nproc-per-node", "2", "--inprocess-restart", "--heartbeat-interval",
+               "0.5", "--heartbeat-timeout", "10", "--inprocess-timeout", "60", "--log-dir",
+               str(tmp_path / f"logs{node}"), "--rdzv-id", "twonode", WORKER]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      start_new_session=True))
+    errs = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=240)
+            errs.append(err.decode())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], "\n=====\n".join(e[-3000:] for e in errs)
+    recs = []
+    for f in (tmp_path / "logs0" / "twonode").glob("*.events.jsonl"):
+        recs += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    restored = [e for e in recs if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "peer" and restored[0]["step"] >= 4, restored
+    assert_same(reference("allreduce"), str(out))

@@ -5,7 +5,7 @@
     @HPWrapper(checkpoint_manager=cm)
     def main(caller=None):
         dist.init_process_group(...)
-        model, opt = build()
+        model, opt = build()                     # DDP / FSDP2 wrapping before restore()
         state = {"model": model, "opt": opt}
         start = cm.restore(state) or 0          # None on a fresh start
         for step in range(start, steps):
@@ -13,34 +13,36 @@
             train_step(batch(step))              # data indexed by step
             cm.save(step + 1, state)             # after optimizer/scheduler/scaler steps
 
-`step` counts completed optimizer steps (= the index of the next batch). `save` captures the state
-dicts and the RNG states (python, numpy, torch CPU/CUDA) into one of two slots in host shared memory
-(double buffer: the previous step stays valid while the next is written, and a slot is replaced by an
-atomic rename, so it survives the death of the process at any instant). `restore` agrees with every
-rank on the newest step that all of them hold (ranks are at most one step apart with synchronous
-training, so two slots suffice), loads it - DTensor shards (FSDP2) included - and restores RNG before any
-data iterator draws seeds. If some rank's state at that step exists nowhere and no disk fallback has it,
+`step` counts completed optimizer steps (= the index of the next batch). `save` copies the state dicts
+and the RNG states (python, numpy, torch CPU/CUDA) into one of two slot files in host shared memory
+(double buffer: the previous step stays valid while the next is written; a slot counts only once it is
+completely written, so the state survives the death of the process at any instant). `restore` agrees
+with every rank on the newest step all of them can get - from their own memory, from a replica peer's
+memory, or from the disk fallback - loads it (DTensor shards, ZeRO shards, DDP's bucket layout
+included) and sets the RNG before any data iterator draws seeds. If some rank's state survives nowhere,
 `StateLostError` ends the job with exit code 75 - never a silent restart from step 0.
 
-What is not here yet (see README): copies to a peer on another node (a lost node loses its snapshots),
-receiving live state from a replica peer instead of shared memory, GPU offload tuning.
+Not here yet (see README): copies of a slot to a peer on another node (a lost node loses the snapshots
+of ranks that have no replica elsewhere).
 """
 from __future__ import annotations
 
-import io
 import logging
+import mmap
 import os
-import random
 import threading
-import zlib
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from hyperpodrun.errors import EXIT_STATE_LOST
+from hyperpodrun.runtime import replicas
+from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
+from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
+from hyperpodrun.runtime.snapshot_io import SnapshotCorrupt
+from hyperpodrun.runtime.state_dicts import (fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
+                                             rng_state, set_rng_state, state_dict_of, tensors_in)
 
 log = logging.getLogger("hyperpodrun.runtime")
-
-_MAGIC = b"HPRSNAP1"
 
 
 class StateLostError(RuntimeError):
@@ -49,94 +51,34 @@ class StateLostError(RuntimeError):
     exit_code = EXIT_STATE_LOST
 
 
-class SnapshotCorrupt(ValueError):
-    """A snapshot failed its checksum: it is ignored."""
-
-
-def _rng_state() -> dict[str, Any]:
-    import torch
-    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-        out["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def _set_rng_state(rng: Mapping[str, Any]) -> None:
-    import torch
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if "numpy" in rng:
-        import numpy as np
-        np.random.set_state(rng["numpy"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def _to_host(obj: Any) -> Any:
-    """Deep copy of a state dict with every tensor as a host tensor (DTensor -> its local shard)."""
-    import torch
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") and hasattr(obj, "placements") else obj
-        return local.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
-    return obj
-
-
-def _like(saved: Any, current: Any) -> Any:
-    """Turn saved host tensors back into tensors shaped like `current` (device, DTensor placement)."""
-    import torch
-    if isinstance(saved, torch.Tensor) and isinstance(current, torch.Tensor):
-        if hasattr(current, "placements") and hasattr(current, "device_mesh"):
-            from torch.distributed.tensor import DTensor
-            local = saved.to(current.to_local().device)
-            return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
-                                      shape=current.shape, stride=current.stride())
-        return saved.to(current.device)
-    if isinstance(saved, dict) and isinstance(current, dict):
-        return {k: _like(v, current.get(k)) if k in current else v for k, v in saved.items()}
-    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
-        return type(saved)(_like(s, c) for s, c in zip(saved, current))
-    return saved
-
-
-def _fix_optimizer_dtensors(opt: Any) -> None:
-    """After load_state_dict, give each optimizer state tensor its parameter's DTensor layout (FSDP2)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
-    for p, st in getattr(opt, "state", {}).items():
-        if not isinstance(p, DTensor):
-            continue
-        local_shape = p.to_local().shape
-        for k, v in list(st.items()):
-            if hasattr(v, "shape") and not isinstance(v, DTensor) and v.shape == local_shape and v.dim() > 0:
-                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False,
-                                           shape=p.shape, stride=p.stride())
-
-
 class CheckpointManager:
     """Snapshots of each rank's training state in memory that outlives the process.
 
     enable_checksum: store a CRC32 with every slot and refuse a slot that does not match.
-    enable_offload: snapshots are always written to host memory here; the flag is accepted for
-        compatibility with the product note and records that device tensors are copied off the device.
+    enable_offload: take the copy of parameters and optimizer state off the training step: `save`
+        returns at once, the copy (by DMA on a side CUDA stream for device tensors) runs while the next
+        forward/backward runs, and the next optimizer step waits for it. A fault before the copy
+        completes costs one more step. Without it `save` returns once the slot is complete.
     fallback_dir / fallback_every: also write every N-th snapshot to disk, asynchronously and atomically,
         for the case where shared memory is lost too.
-    shm_dir: where the slots live (a tmpfs; default /dev/shm).
+    replica_groups / num_distributed_optimizer_instances: ranks that hold identical state (a rank that
+        lost its snapshots gets them from a replica peer). Derived from DDP modules when not given.
+    peer_copy: with several nodes, also copy every slot to a rank on another node (default: on when the
+        job spans several nodes), so that the loss of a node does not lose the state of its ranks.
+    shm_dir: where the slots live (a tmpfs; default /dev/shm, or HYPERPODRUN_SHM_DIR).
     """
 
     def __init__(self, enable_checksum: bool = False, enable_offload: bool = False,
                  fallback_dir: Optional[str] = None, fallback_every: Optional[int] = None,
-                 shm_dir: Optional[str] = None) -> None:
+                 shm_dir: Optional[str] = None, replica_groups: Optional[Sequence[Sequence[int]]] = None,
+                 num_distributed_optimizer_instances: Optional[int] = None,
+                 peer_copy: Optional[bool] = None) -> None:
+        if replica_groups is not None and num_distributed_optimizer_instances is not None:
+            raise ValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
+                             "not both")
+        if num_distributed_optimizer_instances is not None and num_distributed_optimizer_instances < 1:
+            raise ValueError(f"CheckpointManager(num_distributed_optimizer_instances="
+                             f"{num_distributed_optimizer_instances}): must be >= 1 (2 or more for redundancy)")
         if fallback_every is not None and fallback_every < 1:
             raise ValueError(f"CheckpointManager(fallback_every={fallback_every}): must be >= 1")
         if fallback_every is not None and not fallback_dir:
@@ -146,17 +88,32 @@ class CheckpointManager:
         self.fallback_dir = fallback_dir
         self.fallback_every = fallback_every or (1 if fallback_dir else None)
         self.shm_dir = shm_dir or os.environ.get("HYPERPODRUN_SHM_DIR", "/dev/shm")
+        self.replica_groups = [list(g) for g in replica_groups] if replica_groups is not None else None
+        self.num_instances = num_distributed_optimizer_instances
         self._session: Any = None
         self._caller: Any = None
-        self._writer: Optional[threading.Thread] = None
-        self.last_saved: Optional[int] = None
+        self._fallback: Optional[threading.Thread] = None
+        self._writer = io.SlotWriter()
+        self._files: dict[str, io.SlotFile] = {}
+        self._streams = io.SideStream()
+        self._hook: Any = None
         self._layouts = LayoutKeeper()
+        self.last_saved: Optional[int] = None
+        self.peer_copy = peer_copy
+        self._peers: Optional[PeerCopies] = None
 
     # ------------------------------------------------------------------ wiring
     def _attach(self, caller: Any, session: Any) -> None:
         """Called by HPWrapper at every (re-)entry."""
         self._caller, self._session = caller, session
         self._layouts.reset()
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        peer = peer_of(self.rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if peer is not None and self.peer_copy is not False and session is not None:
+            if self._peers is None:
+                self._peers = PeerCopies(os.path.dirname(self.slot_dir()), self.rank)
+            self._peers.serve(caller.store, os.environ.get("MASTER_ADDR", "127.0.0.1"))
+            self._peers.connect(caller.store, peer)
 
     @property
     def rank(self) -> int:
@@ -168,38 +125,65 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Snapshot `state` as the state after `step` completed optimizer steps."""
-        blob = self._encode(step, state)
-        d = self.slot_dir()
-        os.makedirs(d, exist_ok=True)
-        slot = os.path.join(d, f"slot{step % 2}")
-        tmp = slot + ".tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(blob)
-        os.replace(tmp, slot)
-        self.last_saved = step
-        if self.fallback_dir and self.fallback_every and step % self.fallback_every == 0:
-            self._write_fallback(step, blob)
+        """Snapshot `state` as the state after `step` completed optimizer steps.
 
-    def _encode(self, step: int, state: Mapping[str, Any]) -> bytes:
+        A restart request that arrives meanwhile lands once the snapshot is taken (never half-way).
+        """
+        interrupter = getattr(self._session, "interrupter", None)
+        if interrupter is None:
+            self._save(step, state)
+            return
+        with interrupter.critical():
+            self._save(step, state)
+
+    def _save(self, step: int, state: Mapping[str, Any]) -> None:
         import torch
-        payload = {"step": step, "rng": _rng_state(), "state": {}, "ddp_layouts": self._layouts.collect()}
+        self._writer.wait()                         # one snapshot in flight at a time
+        payload: dict[str, Any] = {"step": step, "rng": rng_state(), "state": {},
+                                   "ddp_layouts": self._layouts.collect()}
+        stable: set[int] = set()
         for name, obj in state.items():
             if hasattr(obj, "state_dict") and callable(obj.state_dict):
-                payload["state"][name] = ("sd", _to_host(obj.state_dict()))
+                sd = state_dict_of(obj)
+                payload["state"][name] = ("sd", sd)
+                if isinstance(obj, torch.optim.Optimizer):        # changed only by the optimizer step
+                    stable.update(local_ptr(t) for t in tensors_in(sd))
+                elif isinstance(obj, torch.nn.Module):
+                    stable.update(local_ptr(p) for p in obj.parameters())
             else:
-                payload["state"][name] = ("value", _to_host(obj))
-        buf = io.BytesIO()
-        torch.save(payload, buf)
-        body = buf.getvalue()
-        crc = zlib.crc32(body) if self.enable_checksum else 0
-        header = _MAGIC + step.to_bytes(8, "little") + crc.to_bytes(4, "little") + \
-            (1 if self.enable_checksum else 0).to_bytes(1, "little")
-        return header + body
+                payload["state"][name] = ("value", obj)
+        staged = io.plan(step, payload, stable, self.enable_offload)
+        d = self.slot_dir()
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, f"slot{step % 2}")
+        slot = self._files.setdefault(path, io.SlotFile(path))
+        view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
+        io.copy_now(view, staged, self._streams)
 
-    def _write_fallback(self, step: int, blob: bytes) -> None:
-        if self._writer is not None:
-            self._writer.join()   # one write in flight at a time; a slow disk slows saving, never corrupts
+        def finish() -> None:
+            io.complete(view, staged, self.enable_checksum)
+            self.last_saved = step
+            if self._peers is not None:
+                self._peers.send(step, path)
+            if self.fallback_dir and self.fallback_every and step % self.fallback_every == 0:
+                self._write_fallback(step, path)
+        if self.enable_offload:
+            self._install_step_barrier()
+            self._writer.start(finish)
+        else:
+            finish()
+
+    def _install_step_barrier(self) -> None:
+        """The optimizer step changes what an offloaded snapshot copies: it waits for the copy first."""
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            self._hook = register_optimizer_step_pre_hook(lambda *_a: self._writer.wait())
+
+    def _write_fallback(self, step: int, slot: str) -> None:
+        if self._fallback is not None:
+            self._fallback.join()   # one write in flight at a time; a slow disk slows saving, never corrupts
+        with open(slot, "rb") as fh:   # a private copy: the slot is rewritten two saves later
+            blob = bytes(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
 
         def write() -> None:
             d = os.path.join(self.fallback_dir or ".", f"rank{self.rank}")
@@ -215,25 +199,18 @@ class CheckpointManager:
                     os.unlink(os.path.join(d, old))
             except OSError as exc:
                 log.error("fallback checkpoint of step %d not written: %s", step, exc)
-        self._writer = threading.Thread(target=write, name="hyperpodrun-fallback", daemon=True)
-        self._writer.start()
+        self._fallback = threading.Thread(target=write, name="hyperpodrun-fallback", daemon=True)
+        self._fallback.start()
 
     # ------------------------------------------------------------------ restore
     @staticmethod
-    def _read(path: str) -> tuple[int, bytes]:
+    def _map(path: str) -> Any:
+        """A private (copy-on-write) mapping of a slot or fallback file."""
         with open(path, "rb") as fh:
-            data = fh.read()
-        if len(data) < 21 or data[:8] != _MAGIC:
-            raise SnapshotCorrupt(f"{path}: not a snapshot")
-        step = int.from_bytes(data[8:16], "little")
-        crc = int.from_bytes(data[16:20], "little")
-        body = data[21:]
-        if data[20] and zlib.crc32(body) != crc:
-            raise SnapshotCorrupt(f"{path}: checksum mismatch (step {step})")
-        return step, body
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
 
     def _candidates(self, directory: str) -> dict[int, str]:
-        """step -> path of every valid snapshot in `directory` (corrupt ones are skipped, loudly)."""
+        """step -> path of every complete, intact snapshot in `directory` (bad ones are skipped, loudly)."""
         found: dict[int, str] = {}
         if not os.path.isdir(directory):
             return found
@@ -242,42 +219,80 @@ class CheckpointManager:
                 continue
             path = os.path.join(directory, name)
             try:
-                step, _ = self._read(path)
-            except (SnapshotCorrupt, OSError) as exc:
+                data = self._map(path)
+                step = io.verify(data, path)
+            except (SnapshotCorrupt, OSError, ValueError) as exc:
                 log.error("ignoring snapshot %s", exc)
                 continue
             found[step] = path
         return found
 
+    def _groups(self, state: Mapping[str, Any], world: int) -> list[list[int]]:
+        if self.replica_groups is not None:
+            return replicas.validate_groups(self.replica_groups, world)
+        if self.num_instances is not None:
+            return replicas.instance_groups(world, self.num_instances)
+        return replicas.derived_groups(state, world) or [[r] for r in range(world)]
+
     def restore(self, state: Mapping[str, Any]) -> Optional[int]:
-        """Load the newest step every rank holds into `state`; returns it, or None on a fresh start."""
+        """Load the newest step every rank can get into `state`; returns it, or None on a fresh start.
+
+        A rank gets a step from its own shared memory, else from a replica peer's memory, else from the
+        disk fallback. Raises StateLostError (exit code 75) when some rank's state survives nowhere.
+        """
         import torch.distributed as dist
+        self.wait()
         shm = self._candidates(self.slot_dir())
         disk = self._candidates(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
-        mine = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved}
-        if dist.is_available() and dist.is_initialized():
+        copies = self._peers.held() if self._peers is not None else {}
+        mine = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
+                "copies": {src: sorted(steps) for src, steps in copies.items()}}
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
             everyone: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
         else:
             everyone = [mine]
-        common_shm = set.intersection(*(set(e["shm"]) for e in everyone))
-        common_any = set.intersection(*(set(e["shm"]) | set(e["disk"]) for e in everyone))
-        anything = any(e["shm"] or e["disk"] for e in everyone)
-        if not anything:
+        if not any(e["shm"] or e["disk"] for e in everyone):
             return None
-        if common_shm:
-            step, source = max(common_shm), "memory"
-        elif common_any:
-            step, source = max(common_any), "disk"
-        else:
-            missing = [r for r, e in enumerate(everyone) if not (e["shm"] or e["disk"])]
-            newest = max(max(e["shm"] + e["disk"]) for e in everyone if e["shm"] or e["disk"])
+        world = len(everyone)
+        groups = self._groups(state, world)
+        mem = [set(e["shm"]) for e in everyone]
+        on_disk = [set(e["disk"]) for e in everyone]
+        held = {h: {int(src): set(steps) for src, steps in e["copies"].items()} for h, e in enumerate(everyone)}
+
+        def in_memory(r: int, s: int) -> bool:
+            return any(s in mem[p] for p in replicas.group_of(groups, r)) or \
+                any(s in c.get(r, ()) for c in held.values())
+        steps = set().union(*mem, *on_disk)
+        from_memory = [s for s in steps if all(in_memory(r, s) for r in range(world))]
+        anywhere = [s for s in steps if all(in_memory(r, s) or s in on_disk[r] for r in range(world))]
+        if not anywhere:
+            newest = max(steps)
+            missing = [r for r in range(world) if not (in_memory(r, newest) or newest in on_disk[r])]
             raise StateLostError(
-                f"the state of rank(s) {missing or 'some ranks'} at step {newest} survives nowhere (no snapshot in "
-                f"shared memory, no fallback checkpoint); configure CheckpointManager(fallback_dir=...) to survive this")
-        path = shm.get(step) or disk[step]
-        _, body = self._read(path)
-        self._load(body, state)
+                f"the state of rank(s) {missing} at step {newest} survives nowhere (no snapshot in shared memory, "
+                f"none on a replica peer, no fallback checkpoint); configure CheckpointManager(fallback_dir=...) "
+                f"or replicas (replica_groups= / num_distributed_optimizer_instances=) to survive this")
+        step = max(from_memory) if from_memory else max(anywhere)
+        pairs = replicas.plan_transfers(groups, mem, step, held)
+        source = pairs[0][2] if pairs else ("memory" if from_memory else "disk")
+
+        def blob_for(receiver: int, kind: str) -> bytes:
+            return bytes(self._map(shm[step] if kind == "replica" else copies[receiver][step]))
+        data = None
+        if pairs and distributed:
+            received = replicas.transfer(pairs, self.rank, blob_for)
+            if received is not None:
+                data = bytearray(received)
+                self._keep(step, received)
+        if data is None:
+            data = self._map(shm.get(step) or disk[step])
+        try:
+            _, payload = io.decode(data, f"snapshot of step {step}")
+        except SnapshotCorrupt as exc:
+            raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") from exc
+        self._load(payload, state)
         latest = max((e["latest"] for e in everyone if e["latest"] is not None), default=step)
         lost = max(0, latest - step)
         self.last_saved = step
@@ -288,29 +303,40 @@ class CheckpointManager:
         log.info("restored step %d from %s (%d step(s) lost)", step, source, lost)
         return step
 
-    def _load(self, body: bytes, state: Mapping[str, Any]) -> None:
+    def _keep(self, step: int, blob: bytes) -> None:
+        """Store a snapshot received from a peer as this rank's own slot, so it is held in memory again."""
+        d = self.slot_dir()
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, f"slot{step % 2}")
+        stale = self._files.pop(path, None)
+        if stale is not None:
+            stale.close()
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(blob)
+        os.replace(path + ".tmp", path)
+
+    def _load(self, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         import torch
-        payload = torch.load(io.BytesIO(body), weights_only=False)
         for name, obj in state.items():
             if name not in payload["state"]:
                 raise KeyError(f"snapshot has no entry {name!r}; the state dict given to save() and restore() "
                                "must have the same keys")
             kind, saved = payload["state"][name]
             if kind == "sd":
-                current = obj.state_dict()
-                obj.load_state_dict(_like(saved, current))
+                load_state_dict_into(obj, like(saved, state_dict_of(obj)))
                 if isinstance(obj, torch.optim.Optimizer):
-                    _fix_optimizer_dtensors(obj)
+                    fix_optimizer_dtensors(obj)
             elif isinstance(state, dict):
                 state[name] = saved  # type: ignore[index]
         if payload.get("ddp_layouts"):
             self._layouts.restore(payload["ddp_layouts"])
-        _set_rng_state(payload["rng"])
+        set_rng_state(payload["rng"])
 
     def wait(self) -> None:
-        """Block until an asynchronous fallback write has finished."""
-        if self._writer is not None:
-            self._writer.join()
+        """Block until the snapshot in flight and the fallback write have finished."""
+        self._writer.wait()
+        if self._fallback is not None:
+            self._fallback.join()
 
 
 __all__ = ["CheckpointManager", "StateLostError", "SnapshotCorrupt"]

@@ -9,8 +9,9 @@ before a step began is withdrawn and deferred the same way.
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 
 class RestartInterrupt(BaseException):
@@ -81,6 +82,15 @@ class Interrupter:
                 _set_async_exc(self._tid, None)   # withdraw an exception not yet delivered
             self._queued = self._deferred = False
             self._depth = 0
+
+    @contextlib.contextmanager
+    def critical(self) -> Iterator[None]:
+        """A section an interrupt must not split (a snapshot being written): it lands right after."""
+        self._pre_step()
+        try:
+            yield
+        finally:
+            self._post_step()
 
     def _pre_step(self, *_args: Any) -> None:
         with self._lock:

@@ -21,9 +21,12 @@ STEPS = int(os.environ.get("STEPS", "12"))
 OUT_DIR = os.environ["OUT_DIR"]
 DIM = int(os.environ.get("DIM", "256"))
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
+REPLICAS = os.environ.get("REPLICAS")   # e.g. "0,2/1,3": explicit replica groups
 cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        enable_offload=os.environ.get("OFFLOAD") == "1",
-                       fallback_dir=os.environ.get("FALLBACK_DIR") or None)
+                       fallback_dir=os.environ.get("FALLBACK_DIR") or None,
+                       replica_groups=[[int(r) for r in g.split(",")] for g in REPLICAS.split("/")]
+                       if REPLICAS else None)
 
 
 def maybe_fault(where, step, rank, generation):
@@ -31,6 +34,8 @@ def maybe_fault(where, step, rank, generation):
         fgen = int(gen[0]) if gen else 0
         if fwhere == where and int(frank) == rank and int(fstep) == step and fgen == generation:
             if kind == "wipe-kill":   # the rank's snapshots are lost with it (as when its node is lost)
+                if fstep == "0":      # ... and another, listed in the same fault, at the same moment
+                    pass
                 import shutil
                 shutil.rmtree(cm.slot_dir(), ignore_errors=True)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -43,7 +48,7 @@ def build(rank):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, 4 * DIM), nn.GELU(),
                           nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
-    if MODE == "ddp":
+    if MODE in ("ddp", "zero"):
         # small buckets, as a large model has several of the default 25 MB
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
     elif MODE == "fsdp2":
@@ -58,7 +63,11 @@ def build(rank):
         model[2].register_full_backward_pre_hook(fault_in_backward)
     else:
         net = model
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    if MODE == "zero":   # ZeRO-1: each rank holds the Adam state of its share of the parameters
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    else:
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     return net, opt
 
 
@@ -76,7 +85,7 @@ def main(caller=None):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
     net, opt = build(rank)
-    if MODE == "ddp":
+    if MODE in ("ddp", "zero"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def faulty_allreduce(pg, bucket):   # the default all-reduce, with a fault point inside it
@@ -105,7 +114,11 @@ def main(caller=None):
         cm.save(step + 1, state)
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in net.state_dict().items()}
-    osd = opt.state_dict()["state"]
+    if MODE == "zero":
+        opt.consolidate_state_dict(to=0)
+        osd = opt.state_dict()["state"] if rank == 0 else {}
+    else:
+        osd = opt.state_dict()["state"]
     ost = {k: {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() if torch.is_tensor(t) else t
                for n, t in s.items()} for k, s in osd.items()}
     torch.save({"model": full, "opt": ost}, os.path.join(OUT_DIR, f"rank{rank}.pt"))

@@ -1,0 +1,110 @@
+"""State dicts and RNG state for snapshots: what a rank saves of each object, and how it is put back.
+
+Why a module: objects differ in what "this rank's state" is - a ZeroRedundancyOptimizer's own shard
+rather than its consolidated state dict (which would need a collective on every save), FSDP2's DTensor
+shards as local tensors plus their placement - and restore must hand each one back in the form it expects.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator, Mapping
+
+
+def rng_state() -> dict[str, Any]:
+    import torch
+    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        out["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(rng: Mapping[str, Any]) -> None:
+    import torch
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if "numpy" in rng:
+        import numpy as np
+        np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def is_zero(obj: Any) -> bool:
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:
+        return False
+    return isinstance(obj, ZeroRedundancyOptimizer)
+
+
+def state_dict_of(obj: Any) -> Any:
+    """The rank's own part of `obj`'s state: for ZeroRedundancyOptimizer its local shard (its full
+    state_dict() would need a collective consolidation on every save), plus the shared hyper-parameters."""
+    if is_zero(obj):
+        return {"local": obj.optim.state_dict(),
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]}
+    return obj.state_dict()
+
+
+def load_state_dict_into(obj: Any, sd: Any) -> None:
+    if is_zero(obj):
+        obj.optim.load_state_dict(sd["local"])
+        for group, saved in zip(obj.param_groups, sd["groups"]):
+            group.update(saved)
+        return
+    obj.load_state_dict(sd)
+
+
+def tensors_in(obj: Any) -> Iterator[Any]:
+    import torch
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
+def local_ptr(t: Any) -> int:
+    local = t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+    return local.data_ptr()
+
+
+def like(saved: Any, current: Any) -> Any:
+    """Turn saved host tensors back into tensors shaped like `current` (device, DTensor placement)."""
+    import torch
+    if isinstance(saved, torch.Tensor) and isinstance(current, torch.Tensor):
+        if hasattr(current, "placements") and hasattr(current, "device_mesh"):
+            from torch.distributed.tensor import DTensor
+            local = saved.to(current.to_local().device)
+            return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
+                                      shape=current.shape, stride=current.stride())
+        return saved.to(current.device)
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return {k: like(v, current.get(k)) if k in current else v for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
+        return type(saved)(like(s, c) for s, c in zip(saved, current))
+    return saved
+
+
+def fix_optimizer_dtensors(opt: Any) -> None:
+    """After load_state_dict, give each optimizer state tensor its parameter's DTensor layout (FSDP2)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    for p, st in getattr(opt, "state", {}).items():
+        if not isinstance(p, DTensor):
+            continue
+        local_shape = p.to_local().shape
+        for k, v in list(st.items()):
+            if hasattr(v, "shape") and not isinstance(v, DTensor) and v.shape == local_shape and v.dim() > 0:
+                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())

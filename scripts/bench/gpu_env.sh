@@ -1,0 +1,18 @@
+# Sourced by the GPU benchmark scripts (run from the repository root): puts this checkout and the wheels
+# in ./.whl (pyzmq, pydantic, where the machine lacks them) on PYTHONPATH, a `hyperpodrun` command on PATH,
+# and records the machine in $OUT/machine.txt.
+OUT="${OUT:-bench-out}"
+mkdir -p "$OUT" /tmp/bin
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+printf '#!/bin/sh\nexec %s -m hyperpodrun "$@"\n' "$(command -v python3)" > /tmp/bin/hyperpodrun
+chmod +x /tmp/bin/hyperpodrun
+export PATH="/tmp/bin:$PATH" NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+  lscpu | grep 'Model name'; df -h /dev/shm | tail -1; free -g | head -2; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
