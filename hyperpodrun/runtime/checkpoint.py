@@ -160,8 +160,16 @@ class CheckpointManager:
         view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
         io.copy_now(view, staged, self._streams)
 
+        interrupter = getattr(self._session, "interrupter", None)
+        generation = getattr(self._caller, "iteration", 0)
+
+        def no_restart_since() -> bool:
+            return interrupter is None or interrupter.target <= generation
+
         def finish() -> None:
-            io.complete(view, staged, self.enable_checksum)
+            if not io.complete(view, staged, self.enable_checksum, no_restart_since):
+                log.info("snapshot of step %d dropped: a restart was requested before it was complete", step)
+                return
             self.last_saved = step
             if self._peers is not None:
                 self._peers.send(step, path)

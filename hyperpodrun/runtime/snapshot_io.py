@@ -188,18 +188,27 @@ def copy_now(view: memoryview, staged: Staged, streams: SideStream) -> None:
             staged.cuda_event.record(stream)
 
 
-def complete(view: memoryview, staged: Staged, checksum: bool) -> None:
-    """Finish the deferred copies, write the metadata and, last, the header that makes the slot valid."""
+def complete(view: memoryview, staged: Staged, checksum: bool, valid: Callable[[], bool] = lambda: True) -> bool:
+    """Finish the deferred copies, write the metadata and, last, the header that makes the slot valid.
+
+    `valid` is asked once every copy has finished: False leaves the slot incomplete (never used). The
+    caller says False when a restart was requested meanwhile - on a GPU the host runs ahead of the
+    device, and a copy that waited for work the restart then aborted holds garbage.
+    """
     for src, ref, deferred in staged.tensors:
         if deferred and not src.is_cuda and ref.nbytes:
             _dst(view, staged, ref).copy_(src)
     if staged.cuda_event is not None:
         staged.cuda_event.synchronize()
+    if not valid():
+        staged.tensors.clear()
+        return False
     view[HEADER_LEN:HEADER_LEN + len(staged.meta)] = staged.meta
     end = HEADER_LEN + _aligned(len(staged.meta)) + staged.data_len
     crc = zlib.crc32(view[HEADER_LEN:end]) if checksum else 0
     view[:HEADER.size] = HEADER.pack(MAGIC, staged.step, crc, int(checksum), 1, len(staged.meta), staged.data_len)
     staged.tensors.clear()
+    return True
 
 
 def header(data: Any, what: str) -> tuple[int, int, int, int, int]:
