@@ -108,6 +108,9 @@ class Agent:
         self.tee = Tee()
         if cfg.health_check != "none":
             self.gpu = GpuHealth(self)    # NVML monitor thread (or one info line why not): agent/gpu_health.py
+            if self.phase == "done":      # a GPU already unusable at start and no spare: exit 76 before any worker
+                assert self.exit_code is not None
+                return self.exit_code
         if cfg.inprocess_restart or self.gpu is not None:   # the control socket also takes injected GPU events
             self.control = ControlServer()
         if cfg.inprocess_restart:

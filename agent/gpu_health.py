@@ -70,7 +70,10 @@ class GpuHealth:
             agent.events.emit("gpu_health", f"GPU health: NVML not available ({reason}), no GPU monitoring "
                               "(--health-check auto)", nvml=False)
             return
-        self.monitor = NvmlMonitor(self.backend, agent.post, interval=cfg.health_interval)
+        early: list[tuple] = []
+        self.monitor = NvmlMonitor(self.backend, early.append, interval=cfg.health_interval)
+        self.monitor.baseline()
+        self.monitor.post = agent.post
         self.monitor.start()
         names = sorted({d.name for d in self.inventory if d.name})
         mapping = ", ".join(f"{lr}->{self._label(i)}" for lr, i in self.assignment.items())
@@ -81,6 +84,8 @@ class GpuHealth:
                           f"{', '.join(self._label(i) for i in free) or 'none'}", nvml=True,
                           gpus=len(self.inventory), xid_registered=self.monitor.registered,
                           mapping={lr: self._uuid(i) for lr, i in self.assignment.items()})
+        for _, ev in early:   # what is wrong already (a failed row remap, a lost GPU): before any worker starts
+            self.on_event(ev)
 
     # ------------------------------------------------------------------ helpers
     def _dev(self, index: Optional[int]) -> Optional[DeviceInfo]:
@@ -157,6 +162,10 @@ class GpuHealth:
         self.by_action[verdict.action] += 1
         owners = self.owners(ev.device)
         where = self._label(ev.device) if ev.device is not None else "NVML"
+        if ev.device is not None and ev.device not in {d.index for d in self.visible}:
+            self.a.events.emit("gpu_event", f"{where} (not visible to this job): {verdict.what}", level=logging.INFO,
+                               gpu=ev.device, uuid=self._uuid(ev.device), xid=ev.xid, action=verdict.action)
+            return
         if owners:
             where += " of rank " + ", ".join(str(self.offset + lr) for lr in owners)
         elif ev.device is not None:

@@ -47,6 +47,7 @@ class NvmlMonitor:
         self._throttle_last: dict[int, float] = {i: 0.0 for i in self.devices}    # last poll that saw them
         self._errors: dict[int, int] = {i: 0 for i in self.devices}
         self.lost: set[int] = set()
+        self._baselined = False
 
     @property
     def native_id(self) -> Optional[int]:
@@ -54,11 +55,18 @@ class NvmlMonitor:
         return self._thread.native_id if self._thread is not None else None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Register for XID events, read the baselines (reporting what is already wrong), start the thread."""
+    def baseline(self) -> None:
+        """Register for XID events and read every GPU once, in the caller's thread; what is already wrong is
+        posted now (the agent handles it before it starts any worker)."""
         self.registered = self.backend.register_xid()
         for idx in self.devices:
             self._check_device(idx, time.monotonic(), first=True)
+        self._baselined = True
+
+    def start(self) -> None:
+        """Start the thread (after `baseline()`, which runs here if it has not yet)."""
+        if not self._baselined:
+            self.baseline()
         self._thread = threading.Thread(target=self._run, name="hyperpodrun-nvml", daemon=True)
         self._thread.start()
 

@@ -52,8 +52,8 @@ def test_other_signals(ev, action):
 
 
 # ------------------------------------------------------------------------------------------ mapping
-INV = [DeviceInfo(i, uuid=f"GPU-{i}aaa{i}-0000", pci_bus_id=f"00000000:{0x18 + i:02x}:00.0", token=f"GPU-{i}aaa{i}-0000")
-       for i in range(5)]
+INV = [DeviceInfo(i, uuid=f"GPU-{i}aaa{i}-0000", pci_bus_id=f"00000000:{0x18 + i:02x}:00.0",
+                  token=f"GPU-{i}aaa{i}-0000") for i in range(5)]
 
 
 def idx(devs: list[DeviceInfo]) -> list[int]:
@@ -441,6 +441,38 @@ def test_health_with_nvml_maps_reports_and_moves_a_rank_to_the_spare(monkeypatch
     finally:
         health.stop()
     assert be.closed
+
+
+@pytest.mark.parametrize("gpus", [3, 2])
+def test_gpu_already_broken_at_start_is_handled_before_any_worker_starts(monkeypatch, gpus):
+    """A failed row remap found by the first NVML pass: with a spare, rank 1 starts there (no restart needed);
+    without one, the node ends with 76 right away."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    a, be = fake_agent(2), FakeBackend(gpus)
+    be.remap[1] = (True, True)
+    a.phase = "starting"
+    health = gh.GpuHealth(a, backend=be)
+    try:
+        assert health.unusable == {1}
+        if gpus == 3:
+            assert health.assignment == {0: 0, 1: 2} and not a.failed
+            assert health.env_for(1) == {"CUDA_VISIBLE_DEVICES": "GPU-fake-0,GPU-fake-2"}
+        else:
+            assert a.failed and a.failed[0][1] == EXIT_NO_USABLE_GPU
+    finally:
+        health.stop()
+
+
+def test_gpu_not_visible_to_the_job_is_ignored(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    a, be = fake_agent(2), FakeBackend(3)
+    health = gh.GpuHealth(a, backend=be)
+    try:
+        health.on_event(GpuEvent("xid", 2, xid=79))
+        assert not health.unusable and not a.faults
+        assert "not visible to this job" in a.events.named("gpu_event")[0]["msg"]
+    finally:
+        health.stop()
 
 
 def test_rank_level_xid_replaces_the_process_on_the_same_gpu(monkeypatch):
