@@ -58,6 +58,7 @@ class Group:
         self.degraded_reason: Optional[str] = None
         self._lock_fd: Optional[int] = None
         self._pos_fds: dict[int, int] = {}
+        self._pos_values: dict[int, int] = {}
         self.finished_here: dict[int, bool] = {}   # rank -> this process's consumer finished its stream
 
     # ------------------------------------------------------------------ producer role
@@ -85,11 +86,15 @@ class Group:
 
     # ------------------------------------------------------------------ consumer positions
     def set_position(self, rank: int, step: int, finished: bool = False) -> None:
+        value = step * 2 + (1 if finished else 0)
+        if self._pos_values.get(rank) == value:
+            return
         fd = self._pos_fds.get(rank)
         if fd is None:
             fd = os.open(os.path.join(self.path, f"pos.{rank}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             self._pos_fds[rank] = fd
-        os.pwrite(fd, _POS.pack(step * 2 + (1 if finished else 0)), 0)
+        os.pwrite(fd, _POS.pack(value), 0)
+        self._pos_values[rank] = value
         self.finished_here[rank] = finished
         with self.cond:
             self.cond.notify_all()
@@ -187,11 +192,13 @@ class Group:
         producer = self.producer
         if producer is not None:
             producer.fence()
+            producer.retired.set()
             producer.join(2.0)
         self.disown()
         for fd in self._pos_fds.values():
             os.close(fd)
         self._pos_fds.clear()
+        self._pos_values.clear()
         positions = self.positions()
         if positions and all(finished for _, finished in positions.values()) and \
                 all(self.finished_here.values()):

@@ -138,6 +138,7 @@ class MMAPDataLoader:
             group.set_position(self.rank, self.cursor, finished=True)
             if group.producer is not None and all(done for _, done in group.positions().values()):
                 group.producer.fence()   # nobody needs more batches
+                group.producer.retired.set()
         if self._direct is not None:
             self._direct.close()
             self._direct = None
@@ -175,6 +176,8 @@ class MMAPDataLoader:
         source = Source(self.loader, epochs=self.epochs, replay=self.config.resume == "replay")
         group.producer = Producer(group, source, self.config, predecessor=old)
         group.producer.start()
+        if old is not None:
+            old.retired.set()
 
     def _direct_source(self, group: Optional[groups.Group], step: int) -> Source:
         if self._direct is None:
@@ -185,9 +188,11 @@ class MMAPDataLoader:
             self._direct.seek(step, meta, list(cached), why=f"batch {step} is not in the MMAP cache")
         return self._direct
 
-    def _from_cache(self, group: groups.Group, step: int) -> Any:
-        """(batch, meta) of `step` from the cache, waiting for the producer; or _END / _DEGRADED."""
+    def _from_cache(self, group: groups.Group, step: int, start_producer: bool = False) -> tuple[Any, bool]:
+        """((batch, meta) of `step` from the cache, waiting for the producer, or _END / _DEGRADED; whether it
+        started this process's producer (`start_producer`: when the batch is not there yet)."""
         path = group.batch_path(step)
+        started = False
         t0 = time.monotonic()
         deadline = t0 + self.config.wait_timeout
         next_takeover = t0
@@ -201,12 +206,15 @@ class MMAPDataLoader:
                 if meta.get("step") != step:
                     raise CacheCorruptError(f"{path} holds step {meta.get('step')}, not {step}")
                 self.stats["wait_s"] += time.monotonic() - t0
-                return batch, meta
+                return (batch, meta), started
+            if start_producer and not started:
+                self._start_producer(group)
+                started = True
             if group.degraded() is not None:
-                return _DEGRADED
+                return _DEGRADED, started
             end = group.end_step()
             if end is not None and step >= end:
-                return _END
+                return _END, started
             now = time.monotonic()
             if group.owned:
                 error = group.error
@@ -237,26 +245,31 @@ class MMAPDataLoader:
         token = self._token
         t_call = time.monotonic()
         group = self._open_group()
-        if group is not None and group.degraded() is None:
+        produce = False          # this process produces: started once the first batch is in hand, so that
+        if group is not None and group.degraded() is None:   # the new DataLoader's start does not delay it
             group.set_position(self.rank, start)
             if group.try_own():
-                self._start_producer(group)
+                if group.producer is not None:
+                    group.producer.fence()
+                produce = True
         step, first_epoch, finished, first, warned = start, None, False, True, False
         try:
             while stop is None or step < stop:
-                if group is not None and not warned and group.degraded() is not None:
-                    _warn_degraded(group.path, group.degraded() or "degraded")
+                # the flag only (no file access per step): the marker is read when a batch is missing
+                if group is not None and not warned and group.degraded_reason is not None:
+                    _warn_degraded(group.path, group.degraded_reason)
                     warned = True
                 if self._pending is not None and self._pending[0] == step:
                     _, batch, meta, origin = self._pending
                     self._pending = None
                 elif group is not None and not warned:
                     group.set_position(self.rank, step)
-                    got = self._from_cache(group, step)
+                    got, started = self._from_cache(group, step, produce)
+                    produce = produce and not started
                     if got is _END:
                         finished = True
                         break
-                    if got is _DEGRADED:
+                    if got is _DEGRADED:   # group.degraded() read the marker: degraded_reason is set
                         continue
                     batch, meta = got
                     origin = "cached"
@@ -276,6 +289,9 @@ class MMAPDataLoader:
                 if first:
                     self.stats["first_batch_s"] = time.monotonic() - t_call
                     first = False
+                if produce:
+                    self._start_producer(group)   # type: ignore[arg-type]
+                    produce = False
                 self.stats[origin] += 1
                 self.cursor = step + 1
                 yield step, batch

@@ -40,6 +40,8 @@ log = logging.getLogger("hyperpodrun.data")
 PREDECESSOR_JOIN_S = 30.0
 #: a producer with nothing to do re-reads the consumers' positions this often (other processes' moves)
 IDLE_POLL_S = 0.02
+#: how long a fenced producer keeps its loader at most before tearing it down (see Producer.retired)
+RETIRE_WAIT_S = 10.0
 
 
 class Producer(threading.Thread):
@@ -53,6 +55,9 @@ class Producer(threading.Thread):
         self.config = config
         self.predecessor = predecessor
         self._fenced = False
+        #: set when a fenced producer may tear its loader down (after its successor started: the consumer's
+        #: first batch after a restart is not slowed by a DataLoader shutting down in this process)
+        self.retired = threading.Event()
         self.sizes: dict[int, int] = {}
         #: (step, how) of every time the stream was positioned: start, index, state, replay (tests, logs)
         self.seeks: list[tuple[int, str]] = []
@@ -62,11 +67,11 @@ class Producer(threading.Thread):
 
     # ------------------------------------------------------------------ control (any thread)
     def fence(self) -> None:
-        """Stop: after this returns the producer commits no file any more."""
+        """Stop: after this returns the producer commits no file any more. It is not woken: an idle one
+        leaves within IDLE_POLL_S by itself, so its teardown does not compete for the GIL with the
+        consumer's first batch after a restart."""
         with self.group.commit_lock:
             self._fenced = True
-        with self.group.cond:
-            self.group.cond.notify_all()
 
     @property
     def fenced(self) -> bool:
@@ -96,6 +101,8 @@ class Producer(threading.Thread):
             with self.group.cond:
                 self.group.cond.notify_all()
         finally:
+            if self._fenced:
+                self.retired.wait(RETIRE_WAIT_S)
             self.source.close()
 
     def _idle(self) -> None:
@@ -166,6 +173,7 @@ class Producer(threading.Thread):
                 if self._fenced:
                     return False
                 self._fenced = True
+            self.retired.set()
             self.group.mark_degraded(f"batch {step} not cached: {type(exc).__name__}: {exc}")
             return False
         with self.group.commit_lock:
