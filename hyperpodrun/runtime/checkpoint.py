@@ -39,7 +39,7 @@ from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
 from hyperpodrun.runtime.snapshot_io import SnapshotCorrupt
-from hyperpodrun.runtime.state_dicts import (fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
+from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
                                              rng_state, set_rng_state, state_dict_of, tensors_in)
 
 log = logging.getLogger("hyperpodrun.runtime")
@@ -160,11 +160,11 @@ class CheckpointManager:
         view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
         io.copy_now(view, staged, self._streams)
 
-        interrupter = getattr(self._session, "interrupter", None)
+        session = self._session
         generation = getattr(self._caller, "iteration", 0)
 
         def no_restart_since() -> bool:
-            return interrupter is None or interrupter.target <= generation
+            return getattr(session, "restart_seen", -1) <= generation
 
         def finish() -> None:
             if not io.complete(view, staged, self.enable_checksum, no_restart_since):
@@ -297,7 +297,7 @@ class CheckpointManager:
         if data is None:
             data = self._map(shm.get(step) or disk[step])
         try:
-            _, payload = io.decode(data, f"snapshot of step {step}")
+            _, payload = io.decode(data, f"snapshot of step {step}", copy=False)   # _load copies
         except SnapshotCorrupt as exc:
             raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") from exc
         self._load(payload, state)
@@ -331,11 +331,11 @@ class CheckpointManager:
                                "must have the same keys")
             kind, saved = payload["state"][name]
             if kind == "sd":
-                load_state_dict_into(obj, like(saved, state_dict_of(obj)))
+                load_state_dict_into(obj, like(saved, state_dict_of(obj), device_of(obj)))
                 if isinstance(obj, torch.optim.Optimizer):
                     fix_optimizer_dtensors(obj)
             elif isinstance(state, dict):
-                state[name] = saved  # type: ignore[index]
+                state[name] = like(saved, None)  # type: ignore[index]
         if payload.get("ddp_layouts"):
             self._layouts.restore(payload["ddp_layouts"])
         set_rng_state(payload["rng"])

@@ -223,8 +223,8 @@ def header(data: Any, what: str) -> tuple[int, int, int, int, int]:
     return step, crc, has_crc, meta_len, data_len
 
 
-def decode(data: Any, what: str, verify: bool = True) -> tuple[int, Any]:
-    """(step, payload) of a slot's bytes, every tensor copied out of `data`."""
+def decode(data: Any, what: str, verify: bool = True, copy: bool = True) -> tuple[int, Any]:
+    """(step, payload) of a slot's bytes; tensors copied out of `data`, or views of it with copy=False."""
     import torch
     step, crc, has_crc, meta_len, data_len = header(data, what)
     view = memoryview(data)
@@ -238,7 +238,8 @@ def decode(data: Any, what: str, verify: bool = True) -> tuple[int, Any]:
             if obj.nbytes == 0:
                 return torch.empty(obj.shape, dtype=getattr(torch, obj.dtype))
             raw = torch.frombuffer(view[base + obj.offset:base + obj.offset + obj.nbytes], dtype=torch.uint8)
-            return raw.view(getattr(torch, obj.dtype)).view(obj.shape).clone()
+            t = raw.view(getattr(torch, obj.dtype)).view(obj.shape)
+            return t.clone() if copy else t
         if isinstance(obj, dict):
             return {k: load(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):

@@ -77,21 +77,38 @@ def local_ptr(t: Any) -> int:
     return local.data_ptr()
 
 
-def like(saved: Any, current: Any) -> Any:
-    """Turn saved host tensors back into tensors shaped like `current` (device, DTensor placement)."""
+def like(saved: Any, current: Any, device: Any = None) -> Any:
+    """Copies of the saved tensors (views of a mapped slot) shaped like `current` (device, DTensor
+    placement). A tensor with no counterpart in `current` goes to `device`, or is cloned on the host:
+    nothing returned may alias the slot, which is rewritten two saves later."""
     import torch
-    if isinstance(saved, torch.Tensor) and isinstance(current, torch.Tensor):
-        if hasattr(current, "placements") and hasattr(current, "device_mesh"):
-            from torch.distributed.tensor import DTensor
-            local = saved.to(current.to_local().device)
-            return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
-                                      shape=current.shape, stride=current.stride())
-        return saved.to(current.device)
-    if isinstance(saved, dict) and isinstance(current, dict):
-        return {k: like(v, current.get(k)) if k in current else v for k, v in saved.items()}
-    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
-        return type(saved)(like(s, c) for s, c in zip(saved, current))
+    if isinstance(saved, torch.Tensor):
+        if isinstance(current, torch.Tensor):
+            if hasattr(current, "placements") and hasattr(current, "device_mesh"):
+                from torch.distributed.tensor import DTensor
+                local = saved.to(current.to_local().device, copy=True)
+                return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
+                                          shape=current.shape, stride=current.stride())
+            return saved.to(current.device, copy=True)
+        if device is None or saved.dim() == 0:      # scalars (an optimizer's step): the owner places them
+            return saved.clone()
+        return saved.to(device, copy=True)
+    if isinstance(saved, dict):
+        cur = current if isinstance(current, dict) else {}
+        return {k: like(v, cur.get(k), device) for k, v in saved.items()}
+    if isinstance(saved, list) or (type(saved) is tuple):
+        cur = current if isinstance(current, (list, tuple)) and len(current) == len(saved) else [None] * len(saved)
+        return type(saved)(like(s, c, device) for s, c in zip(saved, cur))
     return saved
+
+
+def device_of(obj: Any) -> Any:
+    """Where an optimizer's state lives: the device of its first parameter (local shard)."""
+    for group in getattr(obj, "param_groups", []):
+        for p in group.get("params", []):
+            local = p.to_local() if hasattr(p, "to_local") and hasattr(p, "placements") else p
+            return local.device
+    return None
 
 
 def fix_optimizer_dtensors(opt: Any) -> None:

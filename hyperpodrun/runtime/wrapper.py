@@ -139,6 +139,7 @@ class _Session:
         self.state = "running"
         self.device: dict = _device_ids()   # GPU UUID / PCI bus id, once CUDA is initialised
         self.interrupter = Interrupter()
+        self.restart_seen = -1     # highest generation a RESTART named (set before any abort)
         self.interrupter.install_optimizer_hooks()
         self._park_on_destroy()
         self.injector = Injector()
@@ -187,6 +188,8 @@ class _Session:
     def _on_command(self, msg: P._Msg) -> None:
         if isinstance(msg, P.Restart):
             self.reason = msg.reason
+            # before the abort: a snapshot whose copy completes from here on may hold aborted work
+            self.restart_seen = max(self.restart_seen, msg.generation)
             if msg.generation > self.interrupter.target and self.state == "running":
                 _abort_nccl_from_monitor()
             self.interrupter.request(msg.generation)
