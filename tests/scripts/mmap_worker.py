@@ -28,12 +28,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from hyperpodrun import CacheResumeMMAPConfig, CheckpointManager, HPWrapper, MMAPDataLoader, ResumableSampler
 
-OUT = os.environ["OUT_DIR"]
+OUT = os.environ.get("OUT_DIR", "")
 STEPS = int(os.environ.get("STEPS", "24"))
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
 RANK = int(os.environ.get("RANK", "0"))
-WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 cm = CheckpointManager()
+loader = None   # built in __main__ (the tests import this module for Samples, sampler and digest)
 
 
 class Samples(Dataset):
@@ -77,15 +77,20 @@ def maybe_fault(step, generation):
             raise RuntimeError(f"injected fault at step {step}")
 
 
-ds = Samples()
-sampler = ResumableSampler(ds, seed=7, num_replicas=2, rank=(RANK // 2) % 2)   # 2 shards whatever the world size
-config = CacheResumeMMAPConfig(
-    cache_dir=os.environ["CACHE_DIR"], prefetch_length=int(os.environ.get("PREFETCH", "4")),
-    lookback_length=int(os.environ.get("LOOKBACK", "2")),
-    share_key=f"dp{RANK // 2}" if os.environ.get("SHARE") == "1" else None,
-    max_bytes=int(os.environ["MAX_BYTES"]) if os.environ.get("MAX_BYTES") else None, wait_timeout=60)
-loader = MMAPDataLoader(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=int(os.environ.get("WORKERS", "0"))),
-                        config)
+def data_loader(rank, workers=0):
+    """The bare DataLoader of `rank`: 2 shards whatever the world size (shard = (rank // 2) % 2)."""
+    ds = Samples()
+    return DataLoader(ds, batch_size=4, sampler=ResumableSampler(ds, seed=7, num_replicas=2, rank=(rank // 2) % 2),
+                      num_workers=workers)
+
+
+def build_loader():
+    config = CacheResumeMMAPConfig(
+        cache_dir=os.environ["CACHE_DIR"], prefetch_length=int(os.environ.get("PREFETCH", "4")),
+        lookback_length=int(os.environ.get("LOOKBACK", "2")),
+        share_key=f"dp{RANK // 2}" if os.environ.get("SHARE") == "1" else None,
+        max_bytes=int(os.environ["MAX_BYTES"]) if os.environ.get("MAX_BYTES") else None, wait_timeout=60)
+    return MMAPDataLoader(data_loader(RANK, int(os.environ.get("WORKERS", "0"))), config)
 
 
 @HPWrapper(checkpoint_manager=cm, abort_timeout=30)
@@ -130,4 +135,5 @@ def main(caller=None):
 
 
 if __name__ == "__main__":
+    loader = build_loader()
     main()
