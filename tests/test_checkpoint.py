@@ -153,6 +153,15 @@ def test_state_lost_recovers_from_disk_fallback(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_model_built_outside_the_wrapped_function(tmp_path, reference):
+    """Survivors keep their model and optimizer objects across the re-entry; restore rewinds them."""
+    rc, out, err = run_job(tmp_path, "outside", "allreduce", _two_faults("raise@prestep", "kill@top"),
+                           extra_env={"BUILD_OUTSIDE": "1"})
+    assert rc == 0, err[-3000:]
+    assert_same(reference("allreduce"), out)
+
+
+@pytest.mark.slow
 def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, reference):
     """DDP replicates over its process group: a rank whose shared memory is gone recovers from a peer."""
     rc, out, err = run_job(tmp_path, "replica", "ddp", "wipe-kill:2:4:top", extra_env={"CHECKSUM": "1"})

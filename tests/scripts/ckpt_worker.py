@@ -80,11 +80,16 @@ def batch(step, rank):
     return x, x.sum(dim=1, keepdim=True) * 0.1
 
 
+# BUILD_OUTSIDE=1: the model and optimizer are built once, outside the re-executed function (hand-written
+# all-reduce loop only: DDP/FSDP2 need the process group); restore() rewinds them in place on re-entry.
+OUTSIDE = build(int(os.environ.get("RANK", 0))) if os.environ.get("BUILD_OUTSIDE") == "1" else None
+
+
 @HPWrapper(checkpoint_manager=cm, abort_timeout=30)
 def main(caller=None):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
-    net, opt = build(rank)
+    net, opt = OUTSIDE if OUTSIDE is not None else build(rank)
     if MODE in ("ddp", "zero"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
