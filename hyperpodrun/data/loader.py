@@ -71,6 +71,16 @@ def shutdown() -> None:
     housekeeping.release_runs()
 
 
+_REGISTERED = False
+
+
+def _register_at_exit() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        _REGISTERED = True
+        atexit.register(_at_exit)
+
+
 def _at_exit() -> None:
     global _ATEXIT_DONE
     with _ATEXIT:
@@ -164,7 +174,7 @@ class MMAPDataLoader:
         except OSError as exc:
             _warn_degraded(cfg.cache_dir, f"cache_dir cannot be used ({exc})")
             return None
-        atexit.register(_at_exit)   # registered again is harmless: it runs its work once
+        _register_at_exit()
         self._group = group
         return group
 
