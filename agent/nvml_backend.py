@@ -59,6 +59,7 @@ class PynvmlBackend:
         self._by_addr: dict[Optional[int], int] = {}
         self._event_set: Any = None
         self._devices: list[DeviceInfo] = []
+        self._missing: set[str] = set()     # NVML functions this driver lacks
         count = nvml.nvmlDeviceGetCount()
         for i in range(count):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
@@ -130,10 +131,22 @@ class PynvmlBackend:
         return None if value is None else (bool(value[2]), bool(value[3]))
 
     def clock_event_reasons(self, index: int) -> Optional[int]:
-        fn = getattr(self.nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            self.nv.nvmlDeviceGetCurrentClocksThrottleReasons
-        value = self._query(index, fn)
-        return None if value is None else int(value)
+        """nvmlClocksEventReason* bits; the older name (ThrottleReasons) where the driver or pynvml predates it."""
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            fn = getattr(self.nv, name, None)
+            if fn is None or name in self._missing:
+                continue
+            try:
+                return int(fn(self._handles[index]))
+            except self.nv.NVMLError as exc:
+                code = getattr(exc, "value", None)
+                if code == self.nv.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    self._missing.add(name)
+                    continue
+                if code in (self.nv.NVML_ERROR_NOT_SUPPORTED, self.nv.NVML_ERROR_NO_PERMISSION):
+                    return None
+                raise self._fail(index, exc)
+        return None
 
     def close(self) -> None:
         try:

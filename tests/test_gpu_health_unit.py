@@ -351,6 +351,9 @@ def test_pynvml_backend_against_a_stub():
     assert be.ecc_uncorrected(0) == 7
     assert be.remap_state(0) == (True, False)
     assert be.clock_event_reasons(1) == 0x20
+    nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: (_ for _ in ()).throw(nv.NVMLError(13))  # old driver
+    nv.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: 0x40
+    assert be.clock_event_reasons(1) == 0x40 and be.clock_event_reasons(0) == 0x40
     nv.fail["remap"] = nv.NVML_ERROR_NOT_SUPPORTED
     assert be.remap_state(0) is None
     nv.fail["ecc"] = nv.NVML_ERROR_GPU_IS_LOST

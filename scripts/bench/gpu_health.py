@@ -236,7 +236,13 @@ def step_map_and_rank_xid() -> None:
         RESULT["steps"]["rank_xid"] = {"inject": detail, "rc": rc, "pids_before": before, "pids_after": after,
                                        "done": done, "downtime_s": go[0].get("downtime_s") if go else None,
                                        "go_after_inject_s": round(go[0]["ts"] - t_inject, 3) if go else None,
-                                       "root_cause": go[0].get("root_cause") if go else None}
+                                       "root_cause": go[0].get("root_cause") if go else None,
+                                       # the survivors' recovery, default CudaHealthCheck included (74: it failed)
+                                       "rank_ready": [{k: e.get(k) for k in ("rank", "abort_s", "finalize_s",
+                                                                             "health_s")}
+                                                      for e in job.named("rank_ready")],
+                                       "worker_exits": [{k: e.get(k) for k in ("rank", "pid", "exit_code")}
+                                                        for e in job.named("worker_exit")]}
         check("rank_xid_job_finishes", rc == 0, rc)
         check("rank_xid_replaces_only_rank_1",
               after[0] == before[0] and len(after[0]) == 1 and len(after[1]) == 2 and after[1][0] == before[1][0]
