@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -25,10 +25,11 @@ class Abort:
 
 
 _PARKED: list = []            # process groups of ended generations (see park_process_groups)
+_FAILED: list = []            # those of them parked by an abort (a collective may still be pending)
 _ENTRY_SOCKETS: set[str] = set()
 
 
-def park_process_groups() -> None:
+def park_process_groups(failed: bool = False) -> None:
     """Keep a reference to every current process group so none is destructed in the main thread.
 
     ~ProcessGroupGloo joins gloo's worker thread while holding the GIL; if that thread is finishing a work
@@ -39,12 +40,36 @@ def park_process_groups() -> None:
         import torch.distributed as dist
         world = getattr(dist.distributed_c10d, "_world", None)
         if world is not None:
-            _PARKED.extend(pg for pg in list(getattr(world, "pg_map", {}).keys()) if pg not in _PARKED)
+            for pg in list(getattr(world, "pg_map", {}).keys()):
+                if pg not in _PARKED:
+                    _PARKED.append(pg)
+                if failed and pg not in _FAILED:
+                    _FAILED.append(pg)
     except Exception:
         pass
 
 
+def _backend_name(pg: Any) -> str:
+    try:
+        return str(pg._get_backend_name()).lower()
+    except Exception:
+        return ""
+
+
 def release_parked() -> None:
+    """Drop the parked groups - except the gloo groups of a failed generation, which are never destructed.
+
+    A collective left pending by the restart keeps gloo's worker thread waiting until the collective's
+    timeout; ~ProcessGroupGloo would wait for it, and an error thrown from that teardown aborts the process
+    (seen: SIGABRT 20 s after a restart, long after the job had recovered). Their connections are already
+    shut down; keeping them costs a few idle threads per restart, and the process exits without running
+    their destructors.
+    """
+    import ctypes
+    for pg in _FAILED:
+        if _backend_name(pg) == "gloo":
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))   # never destructed, not even at exit
+    _FAILED.clear()
     _PARKED.clear()
     gc.collect()
 
@@ -123,7 +148,7 @@ class AbortProcessGroups(Abort):
             backend = str(dist.get_backend()).lower()
         except Exception:
             pass
-        park_process_groups()
+        park_process_groups(failed=True)
         if "nccl" in backend:
             abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort_pg is not None:
