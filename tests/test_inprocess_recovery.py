@@ -23,8 +23,9 @@ def test_rank_dying_in_finalize_during_recovery_is_folded_in(launcher, out_dir):
     assert first(out_dir, 3, "finalize_exit") is not None, info
     assert_only_replaced(out_dir, {3}, info=info)
     assert [e["generation"] for e in events_named(job.log_dir, "go")] == [1], info
+    # rank 3 may first report the collective its peer's fault broke ("connection closed"), then its death
     folded = events_named(job.log_dir, "fault_folded", rank=3)
-    assert folded and "exit code 5" in folded[0]["msg"], info
+    assert any("exit code 5" in e["msg"] for e in folded), info
     faults = events_named(job.log_dir, "fault")
     assert len(faults) == 1 and faults[0]["rank"] == 1, "one root cause per restart\n" + info
 
