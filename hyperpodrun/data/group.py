@@ -21,6 +21,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 from typing import Any, Optional
 
 from hyperpodrun.data import storage
@@ -29,6 +30,8 @@ log = logging.getLogger("hyperpodrun.data")
 
 _POS = struct.Struct("<q")
 END_MARKER = "END"
+#: how often a group re-lists its consumers' position files
+POSITIONS_RESCAN_S = 0.1
 DEGRADED_MARKER = "DEGRADED"
 
 
@@ -59,6 +62,9 @@ class Group:
         self._lock_fd: Optional[int] = None
         self._pos_fds: dict[int, int] = {}
         self._pos_values: dict[int, int] = {}
+        self._read_fds: dict[int, int] = {}
+        self._scan_due = 0.0
+        self._pos_lock = threading.Lock()
         self.finished_here: dict[int, bool] = {}   # rank -> this process's consumer finished its stream
 
     # ------------------------------------------------------------------ producer role
@@ -100,14 +106,32 @@ class Group:
             self.cond.notify_all()
 
     def positions(self) -> dict[int, tuple[int, bool]]:
-        """rank -> (step, finished) of every consumer that ever registered in this group."""
+        """rank -> (step, finished) of every consumer that ever registered in this group.
+
+        The position files are listed at most every POSITIONS_RESCAN_S (consumers of other processes
+        register rarely) and read through descriptors kept open (one pread each)."""
+        with self._pos_lock:
+            return self._positions()
+
+    def _positions(self) -> dict[int, tuple[int, bool]]:
+        now = time.monotonic()
+        if now >= self._scan_due:
+            self._scan_due = now + POSITIONS_RESCAN_S
+            for path in glob.glob(os.path.join(self.path, "pos.*")):
+                try:
+                    rank = int(path.rsplit(".", 1)[1])
+                except ValueError:
+                    continue
+                if rank not in self._read_fds:
+                    try:
+                        self._read_fds[rank] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    except OSError:
+                        continue
         out = {}
-        for path in glob.glob(os.path.join(self.path, "pos.*")):
+        for rank, fd in list(self._read_fds.items()):
             try:
-                with open(path, "rb") as fh:
-                    data = fh.read(_POS.size)
-                rank = int(path.rsplit(".", 1)[1])
-            except (OSError, ValueError):
+                data = os.pread(fd, _POS.size, 0)
+            except OSError:
                 continue
             if len(data) == _POS.size:
                 value = _POS.unpack(data)[0]
@@ -199,7 +223,11 @@ class Group:
             os.close(fd)
         self._pos_fds.clear()
         self._pos_values.clear()
+        self._scan_due = 0.0
         positions = self.positions()
+        for fd in self._read_fds.values():
+            os.close(fd)
+        self._read_fds.clear()
         if positions and all(finished for _, finished in positions.values()) and \
                 all(self.finished_here.values()):
             shutil.rmtree(self.path, ignore_errors=True)

@@ -61,6 +61,7 @@ class Producer(threading.Thread):
         self.sizes: dict[int, int] = {}
         #: (step, how) of every time the stream was positioned: start, index, state, replay (tests, logs)
         self.seeks: list[tuple[int, str]] = []
+        self.end: Optional[int] = None
         self.written = 0
         self.max_files = 0
         self.max_bytes = 0
@@ -90,6 +91,7 @@ class Producer(threading.Thread):
                 return
             self.group.clean_tmp()
             self.sizes = self.group.steps()
+            self.end = self.group.end_step()   # only the producer writes END: read once
             self._loop()
         except BaseException as exc:
             with self.group.commit_lock:
@@ -133,7 +135,7 @@ class Producer(threading.Thread):
             if low is None:
                 self._idle()
                 continue
-            end = self.group.end_step()
+            end = self.end
             hi = low + cfg.prefetch_length if end is None else min(low + cfg.prefetch_length, end)
             self._trim(low - cfg.lookback_length, max(hi, low))
             target = next((s for s in range(low, hi) if s not in self.sizes), None)
@@ -148,7 +150,8 @@ class Producer(threading.Thread):
                          self.source.last_seek)
             item = self.source.next()
             if item is None:
-                self.group.mark_end(self.source.step or 0)
+                self.end = self.source.step or 0
+                self.group.mark_end(self.end)
                 with self.group.cond:
                     self.group.cond.notify_all()
                 continue
