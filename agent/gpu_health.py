@@ -10,6 +10,11 @@ event takes exactly the path of a real one. Per event (classification: agent/xid
 - GPU: as RANK, and the GPU is unusable for the rest of the job: the rank moves to a spare GPU (a GPU visible
   to the node that no local rank uses) with an adjusted CUDA_VISIBLE_DEVICES; with no spare the node stops its
   workers and exits 76 (EXIT_NO_USABLE_GPU: replace this node), and the event log says which GPU and rank.
+  One exception: a single fatal XID on a GPU when there is no spare. An XID reports what the driver saw;
+  whether the GPU itself is broken shows in NVML's own state, which the monitor watches (the GPU stops
+  answering, its uncorrectable-ECC counter rises, row remapping fails). So the first fatal XID on a GPU
+  without a spare replaces the rank on that GPU and marks the GPU suspect; a second fatal XID on it, or any
+  of that evidence, makes it unusable (spare or 76). With a spare, the rank moves at once.
 
 Which rank uses which GPU: agent/gpu_map.py. Without NVML (auto) nothing is monitored, but injected events
 still act, on the GPUs CUDA_VISIBLE_DEVICES names (or one per local rank), so drills work on any machine.
@@ -63,6 +68,7 @@ class GpuHealth:
         self.assignment = initial_assignment(self.visible, cfg.nproc_per_node)
         self.source = {lr: "CUDA_VISIBLE_DEVICES" for lr in self.assignment}
         self.unusable: set[int] = set()
+        self.suspect: set[int] = set()      # a fatal XID without a spare: replaced in place once (see above)
         self.counts: Counter = Counter()          # "xid 79", "ecc", "throttle", ...
         self.by_action: Counter = Counter()       # gpu / rank / warn / info
         self._reported: dict[int, tuple] = {}
@@ -180,6 +186,13 @@ class GpuHealth:
         if ev.device in self.unusable:
             self.a.events.emit("gpu_event", f"{where}: {verdict.what}{tag} (already unusable)", **fields)
             return
+        if verdict.action == GPU and ev.kind == "xid" and owners and ev.device not in self.suspect \
+                and not spares(self.visible, self.assignment, self.unusable):
+            self.suspect.add(ev.device)  # type: ignore[arg-type]
+            verdict = Verdict(RANK, f"{verdict.what} - no spare GPU: the rank restarts on this GPU, now suspect "
+                                    f"(a second fatal XID, or NVML finding it broken, ends this node with "
+                                    f"{EXIT_NO_USABLE_GPU})")
+            fields["action"] = RANK
         if verdict.action == GPU:
             self.unusable.add(ev.device)  # type: ignore[arg-type]
         ending = self.a.phase in ("finishing", "done") or bool(self.a.stop_then and self.a.stop_then[0] == "exit")

@@ -62,6 +62,22 @@ def test_fatal_xid_moves_only_that_rank_to_the_spare_gpu_and_a_warning_changes_n
     assert len(summary) == 1 and summary[0]["counts"] == {"xid 13": 1, "xid 79": 1}, info
 
 
+def test_fatal_xid_without_a_spare_replaces_only_that_rank_on_its_gpu(launcher, out_dir):
+    """4 ranks, one GPU each, no spare: XID 48 (double-bit ECC) on rank 1's GPU replaces rank 1 alone, on the
+    same GPU (now suspect), the others restart in-process and the job finishes."""
+    job = Job(launcher, out_dir, FAST, nproc=4, train=GPU_TRAIN)
+    job.wait_step(range(4), step=10)
+    inject(job, 1, "nvml-xid", "--xid", "48")
+    res = job.result()
+    info = job.describe()
+    assert res.rc == 0, info
+    assert_only_replaced(out_dir, {1}, info=info)
+    faults = events_named(job.log_dir, "gpu_fault")
+    assert len(faults) == 1 and faults[0]["rank"] == 1 and faults[0]["action"] == "rank", info
+    assert "now suspect" in faults[0]["msg"], info
+    assert not events_named(job.log_dir, "no_usable_gpu") and not events_named(job.log_dir, "gpu_remap"), info
+
+
 def test_gpu_lost_without_a_spare_ends_the_node_with_76(launcher, out_dir):
     """Two ranks, two GPUs (one per local rank without CUDA_VISIBLE_DEVICES): rank 1's GPU is declared lost;
     no spare, so the node stops its workers and exits 76, and the event log names the GPU and the rank. Without

@@ -502,8 +502,13 @@ def test_event_on_an_unused_gpu_only_costs_a_spare(monkeypatch):
     assert "no rank uses it" in a.events.named("gpu_fault")[0]["msg"]
     health.on_event(GpuEvent("lost", 2))                                   # the same GPU again: logged only
     assert len(a.events.named("gpu_fault")) == 1 and "already unusable" in a.events.named("gpu_event")[-1]["msg"]
-    health.on_event(GpuEvent("xid", 0, xid=48, synthetic=True))            # now there is no spare
-    assert a.failed and a.failed[0][1] == EXIT_NO_USABLE_GPU
+    # now there is no spare: a first fatal XID replaces the rank on its GPU (suspect from now on) ...
+    health.on_event(GpuEvent("xid", 0, xid=48, synthetic=True))
+    assert [lr for lr, _ in a.faults] == [0] and not a.failed and health.suspect == {0} and 0 not in health.unusable
+    assert a.events.named("gpu_fault")[-1]["action"] == "rank" and "now suspect" in a.events.named("gpu_fault")[-1]["msg"]
+    # ... a second one on the same GPU makes it unusable: no spare -> 76
+    health.on_event(GpuEvent("xid", 0, xid=79, synthetic=True))
+    assert a.failed and a.failed[0][1] == EXIT_NO_USABLE_GPU and health.unusable == {0, 2}
 
 
 def test_no_action_while_the_job_is_ending(monkeypatch):
@@ -512,7 +517,9 @@ def test_no_action_while_the_job_is_ending(monkeypatch):
     a = fake_agent(2)
     a.phase = "finishing"
     health = gh.GpuHealth(a)
-    health.on_event(GpuEvent("xid", 1, xid=79))
+    health.on_event(GpuEvent("xid", 1, xid=79))      # no spare: the GPU is only suspect, and nothing is done
+    assert not a.faults and not a.failed and health.suspect == {1} and not health.unusable
+    health.on_event(GpuEvent("lost", 1))
     assert not a.faults and not a.failed and health.unusable == {1}
 
 

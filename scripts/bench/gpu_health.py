@@ -15,10 +15,12 @@ Steps:
            reports, which is the GPU torch shows that worker. rank_xid (same job): XID 94 (contained ECC error:
            replace the process, keep the GPU) injected on rank 1's GPU: only rank 1 is replaced, rank 0 keeps its
            pid (in-process restart), the job finishes.
- cpu       30 s: CPU time of two monitor threads in this process (polling every 5 s, the default, and every 1 s),
-           and of two idle agents (`--health-check nvml` vs `none`, workers `sleep`), in % of one core.
- no_spare  a 2-rank job, fatal XID 79 on rank 1's GPU: no spare GPU, so the node exits 76 and the event log names
-           the GPU (UUID) and rank 1.
+ cpu       two idle agents (`--health-check nvml` vs `none`, workers `sleep`) side by side for 20 s, then one
+           monitor thread of this process at a time (polling every 5 s, the default, and every 1 s), 10 s each,
+           in % of one core.
+ no_spare  a 2-rank job, fatal XID 79 on rank 1's GPU: no spare GPU, so rank 1 alone is replaced on its GPU
+           (now suspect); then the GPU is declared lost: the node exits 76 and the event log names the GPU (UUID)
+           and rank 1.
  spare     a 1-rank job on the 2-GPU node (the other GPU is a spare), fatal XID 79 on rank 0's GPU: the rank is
            started again on the spare (CUDA_VISIBLE_DEVICES = its UUID; the new process sees and reports that GPU)
            and the job finishes.
@@ -308,15 +310,24 @@ def step_cpu() -> None:
 
 
 def step_no_spare() -> None:
+    """2 ranks on 2 GPUs (no spare): a fatal XID on GPU 1 replaces only rank 1, on the same GPU, now suspect;
+    then GPU 1 is declared lost: the node exits 76 naming the GPU and the rank."""
     job = Job("no_spare", ["--nproc-per-node", "2", *FAST], ["--cap", "60"])
     try:
         job.wait(lambda: job.steps_reached(range(2), 10), 90, "both ranks training past step 10")
-        detail = job.inject(1, "--kind", "nvml-xid", "--xid", "79")
+        first = job.inject(1, "--kind", "nvml-xid", "--xid", "79")
+        job.wait(lambda: len(job.records(1, "start")) >= 2 and job.named("go"), 90, "rank 1 replaced after XID 79")
+        fault = job.named("gpu_fault")
+        starts = {r: [x["pid"] for x in job.records(r, "start")] for r in range(2)}
+        check("fatal_xid_without_spare_replaces_only_rank_1", len(starts[0]) == 1 and len(starts[1]) == 2
+              and bool(fault) and fault[0].get("action") == "rank", {"starts": starts, "gpu_fault": fault})
+        detail = job.inject(1, "--kind", "gpu-lost")
         rc = job.finish(60)
         bad = job.named("no_usable_gpu")
-        RESULT["steps"]["no_spare"] = {"inject": detail, "rc": rc, "no_usable_gpu": bad}
+        RESULT["steps"]["no_spare"] = {"inject_xid": first, "inject_lost": detail, "rc": rc, "starts": starts,
+                                       "gpu_fault": fault, "no_usable_gpu": bad}
         uuid1 = job.records(1, "start")[0]["uuid"]
-        check("fatal_xid_without_spare_exits_76", rc == 76, rc)
+        check("gpu_lost_without_spare_exits_76", rc == 76, rc)
         check("no_usable_gpu_names_gpu_and_rank", len(bad) == 1 and bad[0].get("rank") == 1
               and same(bad[0].get("uuid"), uuid1) and str(bad[0].get("uuid")) in bad[0].get("msg", ""), bad)
     finally:
@@ -362,7 +373,7 @@ def write_md() -> None:
               f"{cpu.get('agent_monitor_delta')})",
               f"- XID 94 on rank 1's GPU (2 ranks, NCCL, in-process): rc {rx.get('rc')}, pids {rx.get('pids_after')}, "
               f"GO {rx.get('go_after_inject_s')} s after the injection (downtime {rx.get('downtime_s')} s)",
-              f"- XID 79 without spare: rc {r['steps'].get('no_spare', {}).get('rc')}; XID 79 with a spare (1 rank): "
+              f"- XID 79 on GPU 1, no spare: rank 1 replaced on its GPU, then GPU 1 lost: rc {r['steps'].get('no_spare', {}).get('rc')}; XID 79 with a spare (1 rank): "
               f"rc {r['steps'].get('spare', {}).get('rc')}", "", "| check | result |", "|---|---|"]
     lines += [f"| {name} | {'pass' if c['ok'] else 'FAIL'} |" for name, c in r["checks"].items()]
     lines += [f"| {name} | ERROR: {err} |" for name, err in r["errors"].items()]
@@ -389,7 +400,7 @@ def main() -> int:
     else:
         run_step("map_rank_xid", 45, step_map_and_rank_xid)
         run_step("cpu", 45, step_cpu)
-        run_step("no_spare", 25, step_no_spare)
+        run_step("no_spare", 40, step_no_spare)
         run_step("spare", 25, step_spare)
     save()
     write_md()
