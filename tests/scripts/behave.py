@@ -53,8 +53,12 @@ def main():
         old = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SIG_IGN survives exec: the sleep ignores it
         gc_pid = subprocess.Popen(["sleep", "600"], process_group=0).pid
         signal.signal(signal.SIGTERM, old)
-    print(f"out from rank {rank} gen {gen}", flush=True)
-    print(f"err from rank {rank} gen {gen}", file=sys.stderr, flush=True)
+    # one write() per line: sys.stderr writes through, and print() would write the text and the newline
+    # separately, so two ranks sharing the console could interleave mid-line
+    sys.stdout.write(f"out from rank {rank} gen {gen}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"err from rank {rank} gen {gen}\n")
+    sys.stderr.flush()
     marker(args.out, f"ready_{tag}.json", {"rank": rank, "gen": gen, "pid": os.getpid(), "sid": os.getsid(0),
                                            "pgrp": os.getpgrp(), "grandchild": gc_pid,
                                            "env": {k: v for k, v in os.environ.items()
