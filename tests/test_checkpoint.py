@@ -182,6 +182,21 @@ def test_rank_and_its_replica_lost_together_end_with_exit_75(tmp_path):
     assert entries[:2] == ["0", "0"] and len(entries) == 3, f"a rank restarted training: {entries}"
 
 
+def test_bad_arguments_get_clear_errors(tmp_path):
+    from hyperpodrun import CheckpointManager
+    cm = CheckpointManager(shm_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"step must be .* int >= 0"):
+        cm.save(-1, {})
+    with pytest.raises(ValueError, match=r"step must be"):
+        cm.save("3", {})
+    with pytest.raises(TypeError, match="state must be a dict"):
+        cm.save(1, [torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="fallback_dir"):
+        CheckpointManager(fallback_every=10)
+    cm.save(torch.tensor(2), {"n": 5})                  # a 0-d tensor step is an int
+    assert cm.restore({"n": 0}) == 2
+
+
 def test_replica_layout_is_validated():
     from hyperpodrun import CheckpointManager
     from hyperpodrun.runtime.replicas import ReplicaLayoutError, instance_groups, validate_groups

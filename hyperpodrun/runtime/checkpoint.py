@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import operator
 import os
 import threading
 from typing import Any, Mapping, Optional, Sequence
@@ -43,6 +44,13 @@ from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, 
                                              rng_state, set_rng_state, state_dict_of, tensors_in)
 
 log = logging.getLogger("hyperpodrun.runtime")
+
+
+def _check_state(state: Any, call: str) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"CheckpointManager.{call}(state=...): state must be a dict of names to objects with "
+                        f"state_dict()/load_state_dict() (model, optimizer, ...) or values, not "
+                        f"{type(state).__name__}")
 
 
 class StateLostError(RuntimeError):
@@ -129,6 +137,14 @@ class CheckpointManager:
 
         A restart request that arrives meanwhile lands once the snapshot is taken (never half-way).
         """
+        _check_state(state, "save")
+        try:
+            step = operator.index(step) if not isinstance(step, bool) else -1   # ints, numpy ints, 0-d tensors
+        except TypeError:
+            step = -1 if not isinstance(step, str) else step
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"CheckpointManager.save(step={step!r}): step must be the number of completed "
+                             "optimizer steps, an int >= 0 (call save(step + 1, state) after optimizer.step())")
         interrupter = getattr(self._session, "interrupter", None)
         if interrupter is None:
             self._save(step, state)
@@ -249,6 +265,7 @@ class CheckpointManager:
         disk fallback. Raises StateLostError (exit code 75) when some rank's state survives nowhere.
         """
         import torch.distributed as dist
+        _check_state(state, "restore")
         self.wait()
         shm = self._candidates(self.slot_dir())
         disk = self._candidates(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
