@@ -2,6 +2,7 @@
 are never used, lost state ends the job with exit code 75 or recovers from the disk fallback."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -195,6 +196,25 @@ def test_bad_arguments_get_clear_errors(tmp_path):
         CheckpointManager(fallback_every=10)
     cm.save(torch.tensor(2), {"n": 5})                  # a 0-d tensor step is an int
     assert cm.restore({"n": 0}) == 2
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_plain_values_come_back_as_independent_copies(tmp_path, monkeypatch):
+    """Values (nested containers, namedtuples, tensors) are restored as they were saved, and their tensors do
+    not alias the slot file, which the next saves rewrite."""
+    from hyperpodrun import CheckpointManager
+    monkeypatch.setenv("RANK", "0")
+    cm = CheckpointManager(shm_dir=str(tmp_path), enable_checksum=True)
+    cm.save(1, {"v": Pair(torch.arange(4.0), [7, (8, torch.ones(3))])})
+    state = {"v": None}
+    assert cm.restore(state) == 1
+    v = state["v"]
+    assert isinstance(v, Pair) and v.b[0] == 7 and v.b[1][0] == 8
+    assert torch.equal(v.a, torch.arange(4.0)) and torch.equal(v.b[1][1], torch.ones(3))
+    cm.save(3, {"v": Pair(torch.full((4,), -1.0), [0, (0, torch.zeros(3))])})   # rewrites slot 1 in place
+    assert torch.equal(v.a, torch.arange(4.0)) and torch.equal(v.b[1][1], torch.ones(3))
 
 
 def test_replica_layout_is_validated():

@@ -49,6 +49,13 @@ class TensorRef:
     nbytes: int
 
 
+def _rebuild(like: Any, items: list) -> Any:
+    """A list or tuple of the same type as `like` (namedtuples take their fields positionally)."""
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*items)
+    return type(like)(items)
+
+
 def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
@@ -82,7 +89,7 @@ def plan(step: int, payload: Any, stable: set[int], defer: bool) -> Staged:
         if isinstance(obj, dict):
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(walk(v) for v in obj)
+            return _rebuild(obj, [walk(v) for v in obj])
         return obj
     staged.meta = pickle.dumps(walk(payload), protocol=pickle.HIGHEST_PROTOCOL)
     return staged
@@ -243,14 +250,9 @@ def decode(data: Any, what: str, verify: bool = True, copy: bool = True) -> tupl
         if isinstance(obj, dict):
             return {k: load(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(load(v) for v in obj)
+            return _rebuild(obj, [load(v) for v in obj])
         return obj
     return step, load(pickle.loads(view[HEADER_LEN:HEADER_LEN + meta_len]))
-
-
-def read_file(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
 
 
 class SlotWriter:

@@ -96,9 +96,10 @@ def like(saved: Any, current: Any, device: Any = None) -> Any:
     if isinstance(saved, dict):
         cur = current if isinstance(current, dict) else {}
         return {k: like(v, cur.get(k), device) for k, v in saved.items()}
-    if isinstance(saved, list) or (type(saved) is tuple):
+    if isinstance(saved, (list, tuple)):
         cur = current if isinstance(current, (list, tuple)) and len(current) == len(saved) else [None] * len(saved)
-        return type(saved)(like(s, c, device) for s, c in zip(saved, cur))
+        items = [like(s, c, device) for s, c in zip(saved, cur)]
+        return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
     return saved
 
 
