@@ -19,7 +19,8 @@ import zmq
 from agent import stores
 from agent.coordination import Coordinator, Watcher
 from agent.events import EventLog
-from agent.control import ControlServer
+from agent.control import ControlServer, is_symptom, split_batch, symptom_grace
+from hyperpodrun import protocol as P
 from agent.gpu_health import GpuHealth
 from agent.hooks import run_hook
 from agent.inprocess import InProcess
@@ -56,6 +57,7 @@ class Agent:
         self.launcher: Optional[WorkerLauncher] = None
         self.control: Optional[ControlServer] = None
         self.inproc: Optional[InProcess] = None
+        self.symptom_grace_s = symptom_grace()
         self.gpu: Optional[GpuHealth] = None
         self._warned_unwrapped = False
         self.generation = 0
@@ -207,13 +209,37 @@ class Agent:
             poller.poll(timeout * 1000)
             self._drain_wake()
             if self.control is not None:
-                for ident, msg in self.control.receive():
-                    self._on_message(ident, msg)
+                self._handle_batch(poller, list(self.control.receive()))
             self._tick()
         for fd in registered:
             poller.unregister(fd)
         assert self.exit_code is not None
         return self.exit_code
+
+    def _handle_batch(self, poller: Any, batch: list) -> None:
+        """Handle the control messages read together. A batch whose faults are all symptoms, outside a restart
+        round, waits up to symptom_grace() for the real cause (a report or a worker's exit), so that the round
+        is logged with the rank that failed rather than one that saw its connection close."""
+        assert self.control is not None and self.sup is not None
+        symptoms = [m for _, m in batch if isinstance(m, P.Fault)]
+        waited = False
+        if (symptoms and all(is_symptom(m) for m in symptoms) and self.inproc is not None
+                and self.inproc.round is None):
+            waited = True
+            deadline = time.monotonic() + self.symptom_grace_s
+            while (left := deadline - time.monotonic()) > 0:
+                ready = dict(poller.poll(left * 1000))
+                batch += list(self.control.receive())
+                exited = any(fd in ready for fd in self.sup.pidfds())
+                if exited or any(isinstance(m, P.Fault) and not is_symptom(m) for _, m in batch):
+                    break
+        others, faults = split_batch(batch)
+        for ident, msg in others:
+            self._on_message(ident, msg)
+        if waited:
+            self._tick()   # worker exits are real causes: before the symptoms they produced
+        for ident, msg in faults:
+            self._on_message(ident, msg)
 
     def _drain_wake(self) -> None:
         try:
@@ -399,7 +425,6 @@ class Agent:
 
     # ------------------------------------------------------------------------------------ in-process services
     def _on_message(self, ident: bytes, msg: Any) -> None:
-        from hyperpodrun import protocol as P
         if isinstance(msg, P.InjectRequest):
             self._on_inject(ident, msg)
             return
@@ -409,7 +434,6 @@ class Agent:
             self.inproc.on_message(ident, msg)
 
     def _on_inject(self, ident: bytes, req: Any) -> None:
-        from hyperpodrun import protocol as P
         assert self.control is not None
         if req.kind in ("nvml-xid", "gpu-lost"):
             ok, detail = self.gpu.inject(req.rank, req.kind, req.xid) if self.gpu is not None else \

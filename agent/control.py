@@ -9,13 +9,48 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import zmq
 
 from hyperpodrun import protocol as P
 
 log = logging.getLogger("hyperpodrun.agent")
+
+
+DEFAULT_SYMPTOM_GRACE_S = 0.25
+
+
+def symptom_grace() -> float:
+    """How long a batch that holds only symptoms ("connection closed by peer" from ranks whose peer failed)
+    waits for the report of the real cause (HYPERPODRUN_SYMPTOM_GRACE_S). zmq's ROUTER fair-queues between
+    workers, so the rank that raised may be read after a rank that only saw the broken connection, although
+    it sent first; and a SIGKILLed rank's exit may be seen after its peers' reports."""
+    raw = os.environ.get("HYPERPODRUN_SYMPTOM_GRACE_S", "")
+    try:
+        value = float(raw) if raw else DEFAULT_SYMPTOM_GRACE_S
+        if not 0 <= value <= 60:
+            raise ValueError
+        return value
+    except ValueError:
+        log.warning("HYPERPODRUN_SYMPTOM_GRACE_S=%r is not a number of seconds in 0..60; using %.2f",
+                    raw, DEFAULT_SYMPTOM_GRACE_S)
+        return DEFAULT_SYMPTOM_GRACE_S
+
+
+def is_symptom(msg: P._Msg) -> bool:
+    """A fault report that is most likely the consequence of another rank's fault."""
+    return isinstance(msg, P.Fault) and msg.secondary and msg.retryable
+
+
+def split_batch(batch: Iterable[tuple[bytes, P._Msg]]) -> tuple[list[tuple[bytes, P._Msg]], list[tuple[bytes, P._Msg]]]:
+    """(everything else, fault reports with real causes first): so that the fault that starts a restart round,
+    and is logged as its cause, is a real one whenever the batch holds one."""
+    batch = list(batch)
+    others = [m for m in batch if not isinstance(m[1], P.Fault)]
+    faults = [m for m in batch if isinstance(m[1], P.Fault)]
+    faults.sort(key=lambda m: is_symptom(m[1]))   # stable: arrival order within each kind
+    return others, faults
 
 
 class ControlServer:

@@ -80,6 +80,26 @@ def test_exception_reenters_every_rank_in_place_and_releases_peers_fast(launcher
     assert not any(ln.lstrip().startswith("{") for ln in lines), "the timeline should be readable, not JSON"
 
 
+def test_symptom_reported_before_the_real_cause_does_not_name_the_round(launcher, out_dir):
+    """Rank 1 reports "connection closed by peer" (a symptom) and only then does rank 2 raise the real error:
+    the fault the log names, and the GO line's root cause, are rank 2's; the symptom is folded. (The grace is
+    raised so that a loaded machine cannot make rank 2 later than it.)"""
+    job = Job(launcher, out_dir, FAST, ["--symptom-rank", "1", "--raise-rank", "2", "--raise-step", "6"],
+              env={"HYPERPODRUN_SYMPTOM_GRACE_S": "10"})
+    res = job.result()
+    info = job.describe()
+    assert res.rc == 0, info
+    symptom, raised = first(out_dir, 1, "symptom"), first(out_dir, 2, "raise")
+    assert symptom is not None and raised is not None and symptom["t"] <= raised["t"], info
+    faults = events_named(job.log_dir, "fault")
+    assert len(faults) == 1 and faults[0]["rank"] == 2 and "boom at step 6" in faults[0]["root_cause"], info
+    folded = events_named(job.log_dir, "fault_folded")
+    assert 1 in [e["rank"] for e in folded], info
+    go = events_named(job.log_dir, "go")
+    assert len(go) == 1 and "rank 2" in go[0]["root_cause"], info
+    assert_only_replaced(out_dir, set(), info=info)
+
+
 def test_python_loop_hang_is_interrupted_in_process(launcher, out_dir):
     """A rank spinning in a Python loop, --progress-timeout 3: it is interrupted in-process (keeps its PID)
     and so are the ranks waiting for it; nothing is killed."""

@@ -50,6 +50,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--raise-rank", type=lambda v: [int(x) for x in v.split(",")], default=[],
                    help="rank(s) that raise, e.g. 1 or 1,2")
     p.add_argument("--raise-step", type=int, default=5)
+    p.add_argument("--symptom-rank", type=int, default=None,
+                   help="at --raise-step this rank first reports a 'connection closed by peer' error; the "
+                        "--raise-rank ranks raise only once it has reported and begun its abort")
     p.add_argument("--raise-always", action="store_true", help="raise in every generation, not only in 0")
     p.add_argument("--finalize-exit-rank", type=int, default=None)
     p.add_argument("--finalize-hang-rank", type=int, default=None)
@@ -122,6 +125,18 @@ class TestFinalize(CheckpointlessFinalizeCleanup):
         super().__call__()
 
 
+def wait_for_abort(rank: int) -> None:
+    """Until `rank` has begun its abort in iteration 0 (so its FAULT report was sent before ours)."""
+    path = os.path.join(ARGS.out, f"rank{rank}.jsonl")
+    end = time.monotonic() + ARGS.forever_cap
+    while time.monotonic() < end:
+        with open(path) as f:
+            if any('"ev": "abort"' in line for line in f):
+                return
+        time.sleep(0.005)
+    os._exit(CAP_EXIT)
+
+
 @HPWrapper(abort=ABORT, finalize=TestFinalize())
 def train(caller=None) -> None:
     ABORT.it = caller.iteration
@@ -136,7 +151,12 @@ def train(caller=None) -> None:
             record("cap", it=caller.iteration, step=step)
             os._exit(CAP_EXIT)
         caller.progress(step)
+        if RANK == ARGS.symptom_rank and step == ARGS.raise_step and caller.iteration == 0:
+            record("symptom", it=caller.iteration, step=step, t=time.time())
+            raise RuntimeError(f"[pair.cc] Connection closed by peer (rank {RANK} at step {step})")
         if RANK in ARGS.raise_rank and step == ARGS.raise_step and (ARGS.raise_always or caller.iteration == 0):
+            if ARGS.symptom_rank is not None:
+                wait_for_abort(ARGS.symptom_rank)
             record("raise", it=caller.iteration, step=step, t=time.time())
             raise RuntimeError(f"boom at step {step}")
         dist.all_reduce(t)
