@@ -20,6 +20,7 @@ _LAZY = {
     "AbortProcessGroups": "hyperpodrun.runtime.abort",
     "CheckpointManager": "hyperpodrun.runtime.checkpoint",
     "StateLostError": "hyperpodrun.runtime.checkpoint",
+    "CheckpointlessCallback": "hyperpodrun.runtime.lightning_callback",
     "CacheResumeMMAPConfig": "hyperpodrun.data",
     "MMAPDataModule": "hyperpodrun.data",
     "MMAPDataLoader": "hyperpodrun.data",

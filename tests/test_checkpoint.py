@@ -20,14 +20,20 @@ HYPERPODRUN = os.path.join(os.path.dirname(sys.executable), "hyperpodrun")
 
 def run_job(tmp_path, name: str, mode: str, faults: str = "", extra_env: dict | None = None,
             timeout: float = 240) -> tuple[int, str, str]:
+    return launch(tmp_path, name, WORKER, {"MODE": mode, "FAULTS": faults, "STEPS": "10", "DIM": "64",
+                                           **(extra_env or {})}, timeout)
+
+
+def launch(tmp_path, name: str, worker: str, worker_env: dict, timeout: float = 240,
+           inprocess_timeout: int = 60) -> tuple[int, str, str]:
+    """Run `worker` on 4 ranks under `hyperpodrun --inprocess-restart` with OUT_DIR=tmp_path/name:
+    (exit code, OUT_DIR, the agent's stderr)."""
     out = tmp_path / name
     out.mkdir()
-    env = dict(os.environ, MODE=mode, OUT_DIR=str(out), FAULTS=faults, STEPS="10", DIM="64",
-               HYPERPODRUN_SHM_DIR=str(tmp_path / "shm"))
-    env.update(extra_env or {})
+    env = dict(os.environ, OUT_DIR=str(out), HYPERPODRUN_SHM_DIR=str(tmp_path / "shm"), **worker_env)
     cmd = [HYPERPODRUN, "--nproc-per-node", "4", "--inprocess-restart", "--heartbeat-interval", "0.5",
-           "--heartbeat-timeout", "10", "--inprocess-timeout", "60", "--log-dir", str(tmp_path / f"logs-{name}"),
-           "--rdzv-id", name, WORKER]
+           "--heartbeat-timeout", "10", "--inprocess-timeout", str(inprocess_timeout),
+           "--log-dir", str(tmp_path / f"logs-{name}"), "--rdzv-id", name, worker]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

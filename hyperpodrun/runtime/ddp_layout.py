@@ -155,6 +155,10 @@ class LayoutKeeper:
             layout = capture(ddp)
             if layout is not None:
                 self.layouts[fingerprint(ddp)] = layout
+            elif not getattr(ddp, "_has_rebuilt_buckets", False) and _supported(ddp):
+                # no gradient sync yet (a save before the first synchronised backward, e.g. while
+                # accumulating under no_sync): the layout is known after it
+                pending.append(ref)
         self._tracked = pending
         return self.layouts
 

@@ -1,0 +1,181 @@
+"""CheckpointlessCallback: a CheckpointManager wired into a Lightning Trainer (Tier 4 of the product note).
+
+    cm = CheckpointManager()
+
+    @HPWrapper(checkpoint_manager=cm)
+    def main(caller=None):
+        trainer = Trainer(..., callbacks=[CheckpointlessCallback(checkpoint_manager=cm)])
+        trainer.wrapper = caller
+        trainer.fit(model, data_module)
+
+Why a callback: after an in-process restart the wrapped function runs again and builds a new Trainer, so
+training must resume from memory where Lightning would otherwise start from step 0 or read a checkpoint.
+At fit start (the strategy has wrapped the model and built the optimizers) the callback restores the newest
+committed step into the model, optimizers, LR schedulers, precision plugin (grad scaler), the state of the
+other callbacks and of the data module, and Lightning's loop state - the same state a checkpoint saved at
+`on_train_batch_end` would hold, so the Trainer continues with the batch after the committed step. After
+every optimizer step it saves. Loaders that keep their position (MMAPDataLoader / MMAPDataModule, or any
+state_dict()/load_state_dict() loader) continue exactly there; a plain DataLoader is restarted at the
+beginning of its epoch by Lightning (Lightning warns), so use MMAPDataModule for exact resumes.
+
+Lightning stays optional: this module imports it only when a callback is created, and the callback derives
+from the Callback class of whichever Lightning distribution (`lightning.pytorch`, `pytorch_lightning`) the
+script imported.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any, Optional
+
+log = logging.getLogger("hyperpodrun.runtime")
+
+_DISTRIBUTIONS = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _callback_bases() -> tuple[type, ...]:
+    """The Callback classes of the Lightning distributions in use (imported by the script), else of the one
+    installed."""
+    bases = [sys.modules[m].Callback for m in _DISTRIBUTIONS if m in sys.modules and hasattr(sys.modules[m], "Callback")]
+    if bases:
+        return tuple(bases)
+    for name in _DISTRIBUTIONS:
+        try:
+            return (importlib.import_module(name).Callback,)
+        except ImportError:
+            continue
+    raise ImportError("CheckpointlessCallback needs Lightning: pip install lightning (or pytorch_lightning); "
+                      "without Lightning use CheckpointManager.save()/restore() in your own loop")
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class _TrainerState:
+    """What a Trainer keeps besides model, optimizers and schedulers (one CheckpointManager entry)."""
+
+    def __init__(self, trainer: Any, owner: "CheckpointlessCallback") -> None:
+        self.trainer, self.owner = trainer, owner
+
+    def _loops(self) -> dict:
+        """The fit loop's state; each MMAP loader's position is the batch after the one just trained (the
+        loader itself is ahead by what Lightning's fetcher prefetched)."""
+        from hyperpodrun.data.loader import MMAPDataLoader
+        fit_loop = self.trainer.fit_loop
+        sd = fit_loop.state_dict()
+        combined = getattr(fit_loop, "_combined_loader", None)
+        states = sd.get("state_dict", {}).get("combined_loader")
+        if combined is not None and states:
+            ahead = len(getattr(getattr(fit_loop, "_data_fetcher", None), "batches", None) or ())
+            stateful = [dl for dl in combined.flattened if _has_state(dl)]
+            for i, dl in enumerate(stateful[:len(states)]):
+                if isinstance(dl, MMAPDataLoader):
+                    states[i] = {"step": max(0, dl.cursor - ahead)}
+        return sd
+
+    def state_dict(self) -> dict:
+        t = self.trainer
+        callbacks = {}
+        for cb in t.callbacks:
+            if cb is self.owner:
+                continue
+            sd = cb.state_dict()
+            if sd:
+                callbacks[cb.state_key] = sd
+        dm = t.datamodule
+        return {"loops": self._loops(), "precision": t.precision_plugin.state_dict(), "callbacks": callbacks,
+                "datamodule": dm.state_dict() if dm is not None and _has_state(dm) else None}
+
+    def load_state_dict(self, sd: dict) -> None:
+        t = self.trainer
+        dm = t.datamodule
+        if sd.get("datamodule") is not None and dm is not None and _has_state(dm):
+            dm.load_state_dict(sd["datamodule"])
+        if sd.get("precision"):
+            t.precision_plugin.load_state_dict(sd["precision"])
+        for cb in t.callbacks:
+            if cb is not self.owner and cb.state_key in sd.get("callbacks", {}):
+                cb.load_state_dict(sd["callbacks"][cb.state_key])
+        t.fit_loop.load_state_dict(sd["loops"])   # marks the loops as restarting: Lightning resumes mid-epoch
+
+
+class CheckpointlessCallback:
+    """Saves the training state with `checkpoint_manager` after every optimizer step and restores it when
+    `Trainer.fit` starts again after a restart (see the module doc).
+
+    checkpoint_manager: the CheckpointManager given to HPWrapper(checkpoint_manager=...).
+    save_every: save after every N-th optimizer step (default 1: at most one step is lost to a fault).
+    """
+
+    _subclasses: dict[tuple[type, ...], type] = {}
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointlessCallback":
+        bases = tuple(b for b in _callback_bases() if not issubclass(cls, b))
+        if bases:
+            sub = CheckpointlessCallback._subclasses.get((cls, *bases))
+            if sub is None:
+                sub = type(cls.__name__, (cls, *bases), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+                CheckpointlessCallback._subclasses[(cls, *bases)] = sub
+            cls = sub
+        return object.__new__(cls)
+
+    def __init__(self, checkpoint_manager: Any, save_every: int = 1) -> None:
+        from hyperpodrun.runtime.checkpoint import CheckpointManager
+        if not isinstance(checkpoint_manager, CheckpointManager):
+            raise TypeError(f"CheckpointlessCallback(checkpoint_manager={type(checkpoint_manager).__name__}): "
+                            "needs the CheckpointManager given to HPWrapper(checkpoint_manager=...)")
+        if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
+            raise ValueError(f"CheckpointlessCallback(save_every={save_every!r}): an int >= 1 (optimizer steps)")
+        self.checkpoint_manager = checkpoint_manager
+        self.save_every = save_every
+        self.restored_step: Optional[int] = None
+        self._state: Optional[dict] = None
+        self._last_saved: Optional[int] = None
+
+    def __reduce__(self) -> tuple:
+        return CheckpointlessCallback, (self.checkpoint_manager, self.save_every)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._state = self.state_of(trainer)
+        self.restored_step = self.checkpoint_manager.restore(self._state)
+        # a fresh start saves after the first optimizer step, not the untrained state
+        self._last_saved = self.restored_step if self.restored_step is not None else trainer.global_step
+        if self.restored_step is not None:
+            log.info("Lightning: resuming at optimizer step %d (epoch %d) from memory", self.restored_step,
+                     trainer.current_epoch)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        caller = getattr(trainer, "wrapper", None) or getattr(self.checkpoint_manager, "_caller", None)
+        if caller is not None and callable(getattr(caller, "progress", None)):
+            caller.progress(trainer.global_step)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_saved or step % self.save_every:
+            return   # no optimizer step since the last save (gradient accumulation), or not a save step
+        if self._state is None:
+            self._state = self.state_of(trainer)
+        self.checkpoint_manager.save(step, self._state)
+        self._last_saved = step
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self.checkpoint_manager.wait()
+        self._state = None
+
+    # ------------------------------------------------------------------ what is saved
+    def state_of(self, trainer: Any) -> dict[str, Any]:
+        """The CheckpointManager state of `trainer`: the strategy's model (DDP / FSDP wrapped), optimizers,
+        LR schedulers and the rest of the trainer's state (loops, precision, callbacks, data module)."""
+        state: dict[str, Any] = {"model": trainer.strategy.model}
+        for i, opt in enumerate(trainer.optimizers):
+            state[f"optimizer{i}"] = opt
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            state[f"lr_scheduler{i}"] = config.scheduler
+        state["trainer"] = _TrainerState(trainer, self)
+        return state
+
+
+__all__ = ["CheckpointlessCallback"]

@@ -1,0 +1,108 @@
+"""A Lightning job written the way the product note writes Tier 4: HPWrapper(checkpoint_manager=cm), a
+Trainer with CheckpointlessCallback built inside the wrapped function, MMAPDataModule over a
+LightningDataModule, DDP on gloo.
+
+Deterministic: sample i is a function of i, the sampler is a ResumableSampler, fixed seeds. FAULTS is a
+';'-separated list of `kind:rank:step:where[:generation]` (default generation 0; kind kill|raise; where:
+top, in training_step | prestep, between backward and the optimizer step; step: trainer.global_step). At the end each rank writes its
+parameters, optimizer state and a digest of every batch it trained on to OUT_DIR/rank<r>.pt.
+"""
+import hashlib
+import os
+import signal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+try:
+    import lightning.pytorch as pl
+except ImportError:   # the older distribution name
+    import pytorch_lightning as pl
+
+from hyperpodrun import (CacheResumeMMAPConfig, CheckpointlessCallback, CheckpointManager, HPWrapper,
+                         MMAPDataModule, ResumableSampler)
+
+STEPS = int(os.environ.get("STEPS", "26"))
+ACCUM = int(os.environ.get("ACCUM", "1"))
+OUT_DIR = os.environ["OUT_DIR"]
+FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
+RANK = int(os.environ["RANK"])
+ACCEL = os.environ.get("ACCEL", "cpu")   # cpu (gloo) or gpu (NCCL)
+cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
+                       enable_offload=os.environ.get("OFFLOAD") == "1")
+
+
+def maybe_fault(where: str, step: int, generation: int) -> None:
+    for kind, frank, fstep, fwhere, *gen in FAULTS:
+        if fwhere == where and int(frank) == RANK and int(fstep) == step and generation == int((gen or [0])[0]):
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected {kind} at step {step} ({where})")
+
+
+class Numbers(Dataset):
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, generator=g)
+        return x, torch.tanh(x[:4].sum(dim=0, keepdim=True))
+
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self):
+        world = int(os.environ["WORLD_SIZE"])
+        data = Numbers()
+        return DataLoader(data, batch_size=8, sampler=ResumableSampler(data, seed=3, num_replicas=world, rank=RANK))
+
+
+class Net(pl.LightningModule):
+    def __init__(self, generation: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        width, depth = int(os.environ.get("WIDTH", "64")), int(os.environ.get("DEPTH", "0"))
+        blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
+        self.net = nn.Sequential(nn.Linear(16, width), nn.Tanh(), *blocks, nn.Dropout(0.1), nn.Linear(width, 1))
+        self.generation = generation
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        seen = self.trainer.fit_loop.total_batch_idx
+        with open(os.path.join(OUT_DIR, f"batches{RANK}.txt"), "a") as f:
+            f.write(f"{seen} {hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()}\n")
+        maybe_fault("top", self.trainer.global_step, self.generation)
+        return F.mse_loss(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        maybe_fault("prestep", self.trainer.global_step, self.generation)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@HPWrapper(checkpoint_manager=cm)
+def main(caller=None):
+    trainer = pl.Trainer(accelerator=ACCEL, strategy="ddp", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
+                         max_steps=STEPS, accumulate_grad_batches=ACCUM, deterministic=ACCEL == "cpu",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False,
+                         callbacks=[CheckpointlessCallback(checkpoint_manager=cm)])
+    trainer.wrapper = caller
+    data = MMAPDataModule(data_module=Data(), mmap_config=CacheResumeMMAPConfig(
+        cache_dir=os.environ["CACHE_DIR"], prefetch_length=4, lookback_length=2))
+    model = Net(caller.iteration)
+    trainer.fit(model, data)
+    opt = trainer.optimizers[0]
+    torch.save({"params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                "opt": opt.state_dict(), "global_step": trainer.global_step, "epoch": trainer.current_epoch},
+               os.path.join(OUT_DIR, f"rank{RANK}.pt"))
+
+
+if __name__ == "__main__":
+    main()
