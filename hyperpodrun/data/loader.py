@@ -198,6 +198,15 @@ class MMAPDataLoader:
             self._direct.seek(step, meta, list(cached), why=f"batch {step} is not in the MMAP cache")
         return self._direct
 
+    @staticmethod
+    def _cached_now(group: groups.Group, step: int) -> Optional[tuple[Any, dict]]:
+        """(batch, meta) of `step` if its file is in the cache now, else None (no waiting)."""
+        try:
+            batch, meta = storage.read_batch(group.batch_path(step))
+        except (FileNotFoundError, CacheCorruptError):
+            return None
+        return (batch, meta) if meta.get("step") == step else None
+
     def _from_cache(self, group: groups.Group, step: int, start_producer: bool = False) -> tuple[Any, bool]:
         """((batch, meta) of `step` from the cache, waiting for the producer, or _END / _DEGRADED; whether it
         started this process's producer (`start_producer`: when the batch is not there yet)."""
@@ -284,12 +293,17 @@ class MMAPDataLoader:
                     batch, meta = got
                     origin = "cached"
                 else:
-                    item = self._direct_source(group, step).next()
+                    # degraded (or no cache): a batch the producer had cached before still serves, until the
+                    # first one missing; from there on the wrapped loader is read directly
+                    item = self._cached_now(group, step) if group is not None and self._direct is None else None
+                    origin = "cached"
+                    if item is None:
+                        item = self._direct_source(group, step).next()
+                        origin = "direct"
                     if item is None:
                         finished = True
                         break
                     batch, meta = item
-                    origin = "direct"
                 if one_epoch:
                     if first_epoch is None:
                         first_epoch = meta["epoch"]
