@@ -58,6 +58,7 @@ class Agent:
         self.control: Optional[ControlServer] = None
         self.inproc: Optional[InProcess] = None
         self.symptom_grace_s = symptom_grace()
+        self.subreaper = False
         self.gpu: Optional[GpuHealth] = None
         self._warned_unwrapped = False
         self.generation = 0
@@ -88,7 +89,7 @@ class Agent:
 
     def _run(self) -> int:
         cfg = self.cfg
-        become_subreaper()
+        self.subreaper = become_subreaper() or os.getpid() == 1
         self.reaper = Reaper()
         self.sup = Supervisor(self.reaper)
         self._install_signals()
@@ -261,6 +262,8 @@ class Agent:
         for proc in self.sup.poll_exits():
             self._on_exit(proc)
         self.sup.reap_orphans()
+        if self.launcher is not None:
+            self.launcher.poll_warm_spawner()
         now = time.monotonic()
         if self.inproc is not None and self.phase in ("running", "restarting"):
             self.inproc.tick(now)
@@ -484,10 +487,19 @@ class Agent:
             if self.wstores.get(gen) is None:
                 self.coord.publish_worker_store(gen, self.wstores.open(gen))
 
-    def spawn_worker(self, local_rank: int, gen: int) -> WorkerProcess:
+    def spawn_worker(self, local_rank: int, gen: int, warm: bool = False) -> WorkerProcess:
         assert self.launcher is not None and self.coord is not None
         port = self.coord.worker_store_port(gen) or 0
-        return self.launcher.spawn(local_rank, gen, port)
+        return self.launcher.spawn(local_rank, gen, port, warm=warm)
+
+    def start_warm_spawner(self) -> None:
+        """The zygote that forks respawned workers (agent/warm_spawner.py); never fatal."""
+        if self.launcher is None or not self.subreaper:
+            return
+        try:
+            self.launcher.start_warm_spawner()
+        except OSError as exc:
+            log.info("no warm respawns: the warm spawner did not start (%s)", exc)
 
     def escalate(self, target: int, root: dict[str, Any]) -> None:
         """In-process restart did not finish in time: process-level restart of this node."""
@@ -599,6 +611,8 @@ class Agent:
                 while self.sup.live() and time.monotonic() < end:
                     self.sup.poll_exits()
                     time.sleep(0.01)
+        if self.launcher is not None:
+            self.launcher.stop_warm_spawner()
         if self.tee is not None:
             self.tee.close()
         if self.reaper is not None:

@@ -68,6 +68,7 @@ class InProcess:
         self.ranks = {lr: RankState(lr, off + lr) for lr in range(n)}
         self.round: Optional[Round] = None
         self.ever_hello = False
+        self.warm_started = False
         self.completing = False
         self.node_done_marked = -1
         self.last_fault_step: Optional[tuple] = None
@@ -105,6 +106,9 @@ class InProcess:
         if isinstance(msg, P.Hello):
             st.hello, st.ident = True, ident
             self.ever_hello = True
+            if not self.warm_started and all(s.hello for s in self.ranks.values()):
+                self.warm_started = True   # every worker has started: the zygote's imports no longer compete
+                self.a.start_warm_spawner()
             r = self.round
             if r is not None and msg.generation < r.target:
                 self._send(st, P.Restart(generation=r.target, reason=r.root.get("summary", "")))
@@ -270,10 +274,11 @@ class InProcess:
         r = self.round
         assert r is not None
         t0 = time.monotonic()
-        new = self.a.spawn_worker(local_rank, r.target)
-        self.a.events.emit("respawn", f"rank {st.rank} respawned as pid {new.pid} for generation {r.target}",
-                           rank=st.rank, pid=new.pid, generation=r.target, duration_s=time.monotonic() - r.t_detect,
-                           spawn_s=time.monotonic() - t0)
+        new = self.a.spawn_worker(local_rank, r.target, warm=True)
+        warm = type(new.popen).__name__ == "AdoptedProcess"
+        self.a.events.emit("respawn", f"rank {st.rank} respawned as pid {new.pid} for generation {r.target}"
+                           f"{' (forked warm)' if warm else ''}", rank=st.rank, pid=new.pid, generation=r.target,
+                           duration_s=time.monotonic() - r.t_detect, spawn_s=time.monotonic() - t0, warm=warm)
 
     def kill_rank(self, st: RankState, why: str) -> None:
         proc = self.a.sup.workers.get(st.local_rank)  # type: ignore[union-attr]

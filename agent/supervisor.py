@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from agent.reaper import kill_sessions, session_members
 from hyperpodrun.errors import WorkerSpawnError
@@ -57,7 +57,7 @@ class WorkerProcess:
     local_rank: int
     rank: int
     generation: int
-    popen: subprocess.Popen
+    popen: Any   # subprocess.Popen, or warm_spawner.AdoptedProcess
     started: float = field(default_factory=time.monotonic)
     pidfd: Optional[int] = None
     returncode: Optional[int] = None
@@ -135,6 +135,18 @@ class Supervisor:
             for fh in (out, err):
                 if fh is not None:
                     fh.close()
+        self.reaper.add(popen.pid)
+        proc = WorkerProcess(local_rank=local_rank, rank=rank, generation=generation, popen=popen)
+        try:
+            proc.pidfd = os.pidfd_open(popen.pid)
+        except (AttributeError, OSError):
+            proc.pidfd = None
+        self.workers[local_rank] = proc
+        return proc
+
+    def adopt(self, local_rank: int, rank: int, generation: int, popen: Any) -> WorkerProcess:
+        """Track a worker started by someone else that is (or is about to become) our child: the warm
+        spawner's fork, re-parented to this subreaper. `popen` has .pid and .poll() like subprocess.Popen."""
         self.reaper.add(popen.pid)
         proc = WorkerProcess(local_rank=local_rank, rank=rank, generation=generation, popen=popen)
         try:

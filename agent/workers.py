@@ -12,8 +12,10 @@ import signal
 import sys
 from typing import Any, Callable, Optional
 
+from agent import warm_spawner
 from agent.rendezvous import Rendezvous
 from agent.supervisor import Supervisor, WorkerProcess
+from agent.warm_spawner import AdoptedProcess
 from agent.tee import Tee
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
 from hyperpodrun.env import WorkerIdentity, inprocess_env_overrides, worker_env
@@ -48,6 +50,8 @@ class WorkerLauncher:
         self.on_spawn = on_spawn
         self.env_for = env_for      # per-rank additions (a rank moved to a spare GPU: CUDA_VISIBLE_DEVICES)
         self.argv = worker_argv(cfg)
+        self.warm: Optional[warm_spawner.WarmSpawner] = None
+        self._warm_noted = False
         self.base_env = self._base_env()
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
 
@@ -82,7 +86,8 @@ class WorkerLauncher:
             to_file, teed = STD_ALL, 0                  # filtered out of the console, still kept in files
         return to_file, teed
 
-    def spawn(self, local_rank: int, generation: int, store_port: int) -> WorkerProcess:
+    def spawn(self, local_rank: int, generation: int, store_port: int, warm: bool = False) -> WorkerProcess:
+        """Start local rank `local_rank` for `generation`; `warm`: fork it from the warm spawner when it can."""
         who = self.identity(local_rank)
         rank_dir = os.path.join(self.run_dir, f"attempt_{generation}", f"rank_{who.rank}")
         os.makedirs(rank_dir, exist_ok=True)
@@ -106,13 +111,60 @@ class WorkerLauncher:
             self.tee.follow(out, prefix, sys.stdout.buffer)
         if err and teed & STD_ERR:
             self.tee.follow(err, prefix, sys.stderr.buffer)
-        proc = self.sup.spawn(local_rank, who.rank, generation, self.argv, env, out, err)
+        proc = self._warm_spawn(local_rank, who.rank, generation, env, out, err) if warm else None
+        if proc is None:
+            proc = self.sup.spawn(local_rank, who.rank, generation, self.argv, env, out, err)
         self._paths[proc.pid] = (out, err, error_file)
         if self.on_spawn is not None:
             self.on_spawn(local_rank, proc.pid)
-        self.events.emit("worker_start", f"rank {who.rank} started (pid {proc.pid}, generation {generation})",
-                         rank=who.rank, pid=proc.pid, generation=generation, level=logging.DEBUG)
+        warmed = isinstance(proc.popen, AdoptedProcess)
+        self.events.emit("worker_start", f"rank {who.rank} started (pid {proc.pid}, generation {generation}"
+                         f"{', forked warm' if warmed else ''})", rank=who.rank, pid=proc.pid, generation=generation,
+                         warm=warmed, level=logging.DEBUG)
         return proc
+
+    def start_warm_spawner(self) -> None:
+        """Start the zygote that forks respawned workers (plain `python script` entry points only)."""
+        if self.warm is not None or not warm_spawner.enabled() or self.cfg.module or self.cfg.no_python:
+            return
+        self.warm = warm_spawner.WarmSpawner(self.base_env, self.argv[2], os.path.join(self.run_dir, "warm_spawner.log"))
+        self.sup.track_extra(self.warm.pid)
+        self.sup.reaper.add(self.warm.pid)
+
+    def poll_warm_spawner(self) -> None:
+        """Note once in the event log when the warm spawner has done its imports (respawns are warm from then)."""
+        w = self.warm
+        if w is None or self._warm_noted or not w.check_ready():
+            return
+        self._warm_noted = True
+        info = w.ready or {}
+        failed = info.get("failed") or []
+        self.events.emit("warm_ready", f"warm respawns ready: imports took {info.get('import_s')} s"
+                         f"{'; not imported: ' + '; '.join(failed) if failed else ''}",
+                         import_s=info.get("import_s"), pid=w.pid, level=logging.DEBUG)
+
+    def stop_warm_spawner(self) -> None:
+        if self.warm is not None:
+            self.warm.close()
+            self.sup.reaper.remove(self.warm.pid)
+            self.warm = None
+
+    def _warm_spawn(self, local_rank: int, rank: int, generation: int, env: dict[str, str],
+                    out: Optional[str], err: Optional[str]) -> Optional[WorkerProcess]:
+        if self.warm is None:
+            return None
+        fhs = [open(path, "ab", buffering=0) if path else None for path in (out, err)]
+        try:
+            fds = [fh.fileno() if fh is not None else std for fh, std in zip(fhs, (1, 2))]
+            pid = self.warm.spawn(self.argv[2:], env, os.getcwd(), fds[0], fds[1])
+        except warm_spawner.WarmSpawnError as exc:
+            log.info("rank %d: starting it the normal way: %s", rank, exc)
+            return None
+        finally:
+            for fh in fhs:
+                if fh is not None:
+                    fh.close()
+        return self.sup.adopt(local_rank, rank, generation, AdoptedProcess(pid))
 
     def spawn_all(self, generation: int, store_port: int) -> None:
         for lr in range(self.cfg.nproc_per_node):

@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -102,6 +103,37 @@ CASES = [
     for pair, extra in ((("kill@top", "raise@allreduce"), ""),            # SIGKILL, then exception in the collective
                         (("raise@prestep", "kill@top"), "checksum+offload"))  # between backward and step, then SIGKILL
 ]
+
+
+def test_warm_respawned_rank_recovers_bitwise_exact(tmp_path, reference):
+    """A SIGKILLed DDP rank forked from the warm spawner (the fault waits until it is ready): the forked
+    process restores and trains on to the same bits as the run without the fault."""
+    import threading
+    gate = tmp_path / "gate"
+    stop = threading.Event()
+
+    def open_gate() -> None:
+        end = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                ready = any(e["event"] == "warm_ready" for e in events(tmp_path, "warm"))
+            except ValueError:   # a line being written
+                ready = False
+            if ready:
+                gate.touch()
+                return
+            stop.wait(0.05)
+    opener = threading.Thread(target=open_gate, daemon=True)
+    opener.start()
+    try:
+        rc, out, err = run_job(tmp_path, "warm", "ddp", "kill:2:4:top", extra_env={"FAULT_GATE": str(gate)})
+    finally:
+        stop.set()
+        opener.join()
+    assert rc == 0, err[-3000:]
+    respawn = [e for e in events(tmp_path, "warm") if e["event"] == "respawn"]
+    assert [(e["rank"], e["warm"]) for e in respawn] == [(2, True)], err[-3000:]
+    assert_same(reference("ddp"), out)
 
 
 @pytest.mark.slow

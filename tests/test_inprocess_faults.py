@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from conftest import HYPERPODRUN
-from inprocess_helpers import FAST, Job, assert_only_replaced, entries, events_named, first, pids
+from inprocess_helpers import FAST, Job, assert_only_replaced, entries, events_named, first, pids, records
 
 
 @pytest.mark.parametrize("victim", [0, 2])
@@ -28,6 +28,35 @@ def test_sigkill_of_one_rank_replaces_only_that_rank(launcher, out_dir, victim):
     assert [e["rank"] for e in respawns] == [victim], info
     assert [e["generation"] for e in events_named(job.log_dir, "go")] == [1], info
     assert not events_named(job.log_dir, "restart_begin"), "no process-level restart expected\n" + info
+
+
+def test_killed_rank_is_forked_warm_with_its_own_environment_and_logs(launcher, out_dir):
+    """Once the warm spawner has done its imports, a SIGKILLed rank is forked from it: a new process in its own
+    session, with the rank's environment (RANK, the new generation), writing to its own attempt's log files;
+    the job finishes. HYPERPODRUN_WARM_RESPAWN=0 starts it the normal way."""
+    for warm in (True, False):
+        out = out_dir / ("warm" if warm else "cold")
+        out.mkdir()
+        job = Job(launcher, out, FAST, ["--hello-line"], log_dir=out / "logs",
+                  env=None if warm else {"HYPERPODRUN_WARM_RESPAWN": "0"})
+        started = job.wait_step(range(4), step=10)
+        if warm:
+            job.wait_event("warm_ready", timeout=60)
+        os.kill(started[1], signal.SIGKILL)
+        res = job.result()
+        info = job.describe()
+        assert res.rc == 0, info
+        assert_only_replaced(out, {1}, info=info)
+        respawn = events_named(job.log_dir, "respawn")
+        assert [(e["rank"], e["warm"]) for e in respawn] == [(1, warm)], info
+        new_pid = respawn[0]["pid"]
+        assert new_pid != started[1] and pids(out, 1) == [started[1], new_pid], info
+        start = [r for r in records(out, 1) if r["ev"] == "start" and r["pid"] == new_pid]
+        assert start and start[0]["gen0"] == 1, info     # HYPERPODRUN_GENERATION of the respawned rank
+        assert first(out, 1, "done", it=1) is not None, info
+        logs = list(job.log_dir.glob("*/attempt_1/rank_1/stdout.log"))
+        assert len(logs) == 1 and logs[0].read_text() == f"hello from rank 1 pid {new_pid} generation 1\n", info
+        assert not events_named(job.log_dir, "restart_begin"), info
 
 
 def test_exception_reenters_every_rank_in_place_and_releases_peers_fast(launcher, out_dir):

@@ -31,7 +31,7 @@ def batches(out: str, rank: int) -> dict[int, str]:
     seen: dict[int, str] = {}
     with open(os.path.join(out, f"batches{rank}.txt")) as f:
         for line in f:
-            n, digest = line.split()
+            n, digest = line.split()[:2]
             seen[int(n)] = digest
     return seen
 

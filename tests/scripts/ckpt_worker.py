@@ -8,7 +8,7 @@ At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r
 import datetime
 import os
 import signal
-import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,10 @@ def maybe_fault(where, step, rank, generation):
     for i, (kind, frank, fstep, fwhere, *gen) in enumerate(FAULTS):
         fgen = int(gen[0]) if gen else 0
         if fwhere == where and int(frank) == rank and int(fstep) == step and fgen == generation:
+            gate = os.environ.get("FAULT_GATE")   # a file the test creates when the fault may fire
+            end = time.monotonic() + 120
+            while gate and not os.path.exists(gate) and time.monotonic() < end:
+                time.sleep(0.02)
             if kind == "wipe-kill":   # the rank's snapshots are lost with it (as when its node is lost)
                 if fstep == "0":      # ... and another, listed in the same fault, at the same moment
                     pass

@@ -60,6 +60,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hold-gil-s", type=float, default=5.0)
     p.add_argument("--usr1-log-rank", type=int, default=None)
     p.add_argument("--gate", default=None)
+    p.add_argument("--hello-line", action="store_true", help="print a line naming this process to stdout at start")
     p.add_argument("--exit-delay", type=float, default=None,
                    help="after the job completed, take this long to exit (default: exit at once)")
     return p.parse_args()
@@ -172,6 +173,8 @@ def train(caller=None) -> None:
 
 if __name__ == "__main__":
     record("start", gen0=current_iteration())
+    if ARGS.hello_line:
+        print(f"hello from rank {RANK} pid {os.getpid()} generation {current_iteration()}", flush=True)
     if RANK == ARGS.usr1_log_rank:
         signal.signal(signal.SIGUSR1, lambda *_: record("sigusr1", t=time.time()))
     if ARGS.gate and current_iteration() > 0:

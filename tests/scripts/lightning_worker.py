@@ -4,12 +4,15 @@ LightningDataModule, DDP on gloo.
 
 Deterministic: sample i is a function of i, the sampler is a ResumableSampler, fixed seeds. FAULTS is a
 ';'-separated list of `kind:rank:step:where[:generation]` (default generation 0; kind kill|raise; where:
-top, in training_step | prestep, between backward and the optimizer step; step: trainer.global_step). At the end each rank writes its
-parameters, optimizer state and a digest of every batch it trained on to OUT_DIR/rank<r>.pt.
+top, in training_step | prestep, between backward and the optimizer step; step: trainer.global_step).
+At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt; OUT_DIR/batches<r>.txt
+has a line (batch number, digest, time, generation) for every batch trained on, OUT_DIR/faults.txt one per
+fault fired.
 """
 import hashlib
 import os
 import signal
+import time
 
 import torch
 import torch.nn as nn
@@ -37,6 +40,8 @@ cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
 def maybe_fault(where: str, step: int, generation: int) -> None:
     for kind, frank, fstep, fwhere, *gen in FAULTS:
         if fwhere == where and int(frank) == RANK and int(fstep) == step and generation == int((gen or [0])[0]):
+            with open(os.path.join(OUT_DIR, "faults.txt"), "a") as f:
+                f.write(f"{RANK} {kind} {step} {time.time()}\n")
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected {kind} at step {step} ({where})")
@@ -72,7 +77,8 @@ class Net(pl.LightningModule):
         x, y = batch
         seen = self.trainer.fit_loop.total_batch_idx
         with open(os.path.join(OUT_DIR, f"batches{RANK}.txt"), "a") as f:
-            f.write(f"{seen} {hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()}\n")
+            digest = hashlib.sha1(x.cpu().numpy().tobytes() + y.cpu().numpy().tobytes()).hexdigest()
+            f.write(f"{seen} {digest} {time.time():.6f} {self.generation}\n")
         maybe_fault("top", self.trainer.global_step, self.generation)
         return F.mse_loss(self.net(x), y)
 

@@ -1,0 +1,154 @@
+"""The warm spawner's process: imports torch once, then forks respawned workers (see warm_spawner.py).
+
+Run by the agent as `python -u zygote.py FD SCRIPT` with FD one end of a SOCK_SEQPACKET socket pair. It
+imports the modules of HYPERPODRUN_WARM_IMPORTS (default: torch, torch.distributed, the hyperpodrun runtime and
+the known-safe packages SCRIPT imports at top level, e.g. lightning), reports `{"ready": true}` (false when an
+import opened the GPU driver: a fork could not use CUDA), and then answers each request - JSON {"argv": [script, args...], "env": {...}, "cwd": ...}
+with the worker's stdout and stderr descriptors attached - by forking twice: the worker is the grandchild,
+re-parented to the agent (a subreaper) when the middle process exits, so the agent waits for it as for any
+worker. The worker gets its own session, the request's environment, directory and descriptors, and runs the
+script as `python -u script args` would, in a process that has the imports done already. EOF on the socket
+(the agent is gone or done) ends this process.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import runpy
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+DEFAULT_IMPORTS = ("torch", "torch.distributed", "hyperpodrun.runtime.wrapper")
+
+# Packages whose import is known not to start threads or touch the GPU driver: when the script imports them
+# at top level, the zygote imports them too. Anything else only by HYPERPODRUN_WARM_IMPORTS.
+KNOWN_SAFE = {"torch", "numpy", "lightning", "pytorch_lightning", "torchvision", "torchaudio", "torchdata",
+              "transformers", "tokenizers", "safetensors", "einops", "hyperpodrun"}
+
+
+def script_imports(script: str) -> list[str]:
+    """The modules of KNOWN_SAFE packages that `script` imports at its top level, as written."""
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop(0)
+        if isinstance(node, (ast.Try, ast.If)):   # `try: import lightning.pytorch as pl except ImportError: ...`
+            nodes += [*node.body, *node.orelse]   # not the except branches: fallbacks the script may not run
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return [n for n in names if n.split(".")[0] in KNOWN_SAFE]
+
+
+def gpu_driver_opened() -> bool:
+    """Whether something imported opened the GPU driver (/dev/nvidia*): a fork of this process could not use
+    CUDA then."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def prewarm(script: str) -> list[str]:
+    """Import the configured modules; returns those that failed (they are imported by the worker instead)."""
+    configured = os.environ.get("HYPERPODRUN_WARM_IMPORTS")
+    names = [m.strip() for m in configured.split(",")] if configured is not None else \
+        [*DEFAULT_IMPORTS, *script_imports(script)]
+    failed = []
+    for name in dict.fromkeys(filter(None, names)):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:   # a module the job does not have: not an error, just not warm
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failed
+
+
+def serve(sock: socket.socket) -> Optional[tuple[dict[str, Any], list[int]]]:
+    """Answer spawn requests until EOF (returns None); in a forked worker, returns its request."""
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        except (ConnectionError, OSError):
+            return None
+        if not msg:
+            return None
+        try:
+            req = json.loads(msg)
+            middle = os.fork()
+        except (ValueError, OSError) as exc:
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+            continue
+        if middle == 0:
+            try:
+                worker = os.fork()
+            except OSError as exc:
+                sock.send(json.dumps({"error": f"fork: {exc}"}).encode())
+                os._exit(1)
+            if worker == 0:
+                sock.close()
+                return req, fds
+            sock.send(json.dumps({"pid": worker}).encode())
+            os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        os.waitpid(middle, 0)
+
+
+def become_worker(req: dict[str, Any], fds: list[int]) -> str:
+    """Set this process up as `python -u script` started by the agent would be; returns the script path."""
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for target, fd in zip((1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    if req.get("cwd"):
+        os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    script = req["argv"][0]
+    sys.argv = list(req["argv"])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    return script
+
+
+def main() -> None:
+    del sys.path[0]   # this file's directory (the agent's modules) must not shadow what the imports look for
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    t0 = time.monotonic()
+    failed = prewarm(sys.argv[2])
+    if gpu_driver_opened():
+        sock.send(json.dumps({"ready": False, "why": "an import opened the GPU driver; forks could not use "
+                              "CUDA (set HYPERPODRUN_WARM_IMPORTS to modules that do not)"}).encode())
+        return
+    sock.send(json.dumps({"ready": True, "import_s": round(time.monotonic() - t0, 3), "failed": failed}).encode())
+    task = serve(sock)
+    if task is None:
+        return
+    script = become_worker(*task)
+    del task
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
