@@ -95,13 +95,14 @@ class WarmSpawner:
         return int(reply["pid"])
 
     def close(self) -> None:
-        """Stop the zygote (EOF on its socket), killing it if it does not exit at once."""
+        """Stop the zygote (EOF on its socket), killing it if it does not exit at once (it may be importing;
+        the workers it forked are in sessions of their own and not affected)."""
         try:
             self._sock.close()
         except OSError:
             pass
         try:
-            self.proc.wait(timeout=2)
+            self.proc.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
