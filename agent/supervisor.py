@@ -135,17 +135,10 @@ class Supervisor:
             for fh in (out, err):
                 if fh is not None:
                     fh.close()
-        self.reaper.add(popen.pid)
-        proc = WorkerProcess(local_rank=local_rank, rank=rank, generation=generation, popen=popen)
-        try:
-            proc.pidfd = os.pidfd_open(popen.pid)
-        except (AttributeError, OSError):
-            proc.pidfd = None
-        self.workers[local_rank] = proc
-        return proc
+        return self.adopt(local_rank, rank, generation, popen)
 
     def adopt(self, local_rank: int, rank: int, generation: int, popen: Any) -> WorkerProcess:
-        """Track a worker started by someone else that is (or is about to become) our child: the warm
+        """Track a worker process as the live incarnation of `local_rank`: one we started, or the warm
         spawner's fork, re-parented to this subreaper. `popen` has .pid and .poll() like subprocess.Popen."""
         self.reaper.add(popen.pid)
         proc = WorkerProcess(local_rank=local_rank, rank=rank, generation=generation, popen=popen)
