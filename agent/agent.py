@@ -16,19 +16,19 @@ from typing import Any, Optional
 
 import zmq
 
-from agent import stores
-from agent.coordination import Coordinator, Watcher
-from agent.events import EventLog
-from agent.control import ControlServer, is_symptom, split_batch, symptom_grace
+from hyperpodrun.agent import stores
+from hyperpodrun.agent.coordination import Coordinator, Watcher
+from hyperpodrun.agent.events import EventLog
+from hyperpodrun.agent.control import ControlServer, is_symptom, split_batch, symptom_grace
 from hyperpodrun import protocol as P
-from agent.gpu_health import GpuHealth
-from agent.hooks import run_hook
-from agent.inprocess import InProcess
-from agent.rendezvous import Rendezvous, RendezvousInterrupted, hostname, rendezvous
-from agent.report import failure_summary
-from agent.supervisor import Reaper, Supervisor, WorkerProcess, become_subreaper, describe_exit, shell_code
-from agent.tee import Tee
-from agent.workers import WorkerLauncher
+from hyperpodrun.agent.gpu_health import GpuHealth
+from hyperpodrun.agent.hooks import run_hook
+from hyperpodrun.agent.inprocess import InProcess
+from hyperpodrun.agent.rendezvous import Rendezvous, RendezvousInterrupted, hostname, rendezvous
+from hyperpodrun.agent.report import failure_summary
+from hyperpodrun.agent.supervisor import Reaper, Supervisor, WorkerProcess, become_subreaper, describe_exit, shell_code
+from hyperpodrun.agent.tee import Tee
+from hyperpodrun.agent.workers import WorkerLauncher
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED, HyperpodrunError
 

@@ -26,15 +26,15 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Optional
 
-from agent.gpu_map import (DeviceInfo, fallback_inventory, initial_assignment, match_report, spares,
+from hyperpodrun.agent.gpu_map import (DeviceInfo, fallback_inventory, initial_assignment, match_report, spares,
                            visible_devices, visible_devices_for)
-from agent.nvml_backend import NvmlUnavailable, PynvmlBackend, load_nvml
-from agent.nvml_monitor import NvmlMonitor
-from agent.xid import GPU, INFO, RANK, WARN, GpuEvent, Verdict, classify
+from hyperpodrun.agent.nvml_backend import NvmlUnavailable, PynvmlBackend, load_nvml
+from hyperpodrun.agent.nvml_monitor import NvmlMonitor
+from hyperpodrun.agent.xid import GPU, INFO, RANK, WARN, GpuEvent, Verdict, classify
 from hyperpodrun.errors import EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED
 
 if TYPE_CHECKING:
-    from agent.agent import Agent
+    from hyperpodrun.agent.agent import Agent
 
 log = logging.getLogger("hyperpodrun.agent")
 

@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any, Optional
 
-from agent.reaper import kill_sessions, session_members
-from agent.supervisor import describe_exit
+from hyperpodrun.agent.reaper import kill_sessions, session_members
+from hyperpodrun.agent.supervisor import describe_exit
 
 log = logging.getLogger("hyperpodrun.agent")
 

@@ -18,7 +18,7 @@ from hyperpodrun import protocol as P
 from hyperpodrun.errors import EXIT_STEP_KEEPS_FAILING
 
 if TYPE_CHECKING:
-    from agent.agent import Agent
+    from hyperpodrun.agent.agent import Agent
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -165,7 +165,7 @@ class InProcess:
         st.ident = None
         if self.completing and code == 0:
             return
-        from agent.supervisor import describe_exit, shell_code
+        from hyperpodrun.agent.supervisor import describe_exit, shell_code
         cause = describe_exit(code)
         info = {"host": self.a.host, "rank": st.rank, "local_rank": local_rank, "pid": st.pid, "cause": cause,
                 "summary": f"rank {st.rank} (pid {st.pid}) died: {cause}" if not (code == 0) else

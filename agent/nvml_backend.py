@@ -10,7 +10,7 @@ import ctypes
 import logging
 from typing import Any, Optional, Protocol
 
-from agent.gpu_map import DeviceInfo, normalize_pci
+from hyperpodrun.agent.gpu_map import DeviceInfo, normalize_pci
 from hyperpodrun.errors import HyperpodrunError
 
 log = logging.getLogger("hyperpodrun.agent")

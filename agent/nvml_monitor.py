@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from agent.nvml_backend import Backend, DeviceQueryError
-from agent.xid import THROTTLE_MASK, GpuEvent, throttle_reasons
+from hyperpodrun.agent.nvml_backend import Backend, DeviceQueryError
+from hyperpodrun.agent.xid import THROTTLE_MASK, GpuEvent, throttle_reasons
 
 log = logging.getLogger("hyperpodrun.agent")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
 
-from agent import stores
+from hyperpodrun.agent import stores
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import RendezvousError
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from agent.reaper import kill_sessions, session_members
+from hyperpodrun.agent.reaper import kill_sessions, session_members
 from hyperpodrun.errors import WorkerSpawnError
 
 log = logging.getLogger("hyperpodrun.agent")

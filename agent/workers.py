@@ -12,11 +12,11 @@ import signal
 import sys
 from typing import Any, Callable, Optional
 
-from agent import warm_spawner
-from agent.rendezvous import Rendezvous
-from agent.supervisor import Supervisor, WorkerProcess
-from agent.warm_spawner import AdoptedProcess
-from agent.tee import Tee
+from hyperpodrun.agent import warm_spawner
+from hyperpodrun.agent.rendezvous import Rendezvous
+from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
+from hyperpodrun.agent.warm_spawner import AdoptedProcess
+from hyperpodrun.agent.tee import Tee
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
 from hyperpodrun.env import WorkerIdentity, inprocess_env_overrides, worker_env
 

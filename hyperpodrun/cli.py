@@ -248,6 +248,7 @@ def build_config(opts: dict[str, Any], script: str, script_args: tuple[str, ...]
             else {},
             tee=parse_std_map(opts["tee"], "--tee", nproc) if opts["tee"] not in (None, "0") else {},
             local_ranks_filter=local_filter,
+            job_secret_file=opts["job_secret_file"],
             pre_train_script=opts["pre_train_script"],
             pre_train_args=_split_args("--pre-train-args", opts["pre_train_args"]),
             post_train_script=opts["post_train_script"],
@@ -303,6 +304,9 @@ POS = click.FloatRange(min=0, min_open=True)
 @oopt("--health-check", default="auto", type=click.Choice(["auto", "nvml", "none"]),
       help="GPU health monitor: auto (NVML where it loads), nvml (required), none.")
 @oopt("--health-interval", default=5.0, type=POS, help="Seconds between NVML polls (ECC, row remap, throttling).")
+@oopt("--job-secret-file", default=None,
+      help="File with the job secret, the same on every node (or HYPERPODRUN_JOB_SECRET); authenticates "
+           "peer copies and the agents' store records. See README, Security.")
 @oopt("--pre-train-script", default=None, help="Run before the workers start (once per node).")
 @oopt("--pre-train-args", default="", help="Arguments of the pre-train script (one shell-quoted string).")
 @oopt("--post-train-script", default=None, help="Run after the workers end (once per node).")
@@ -320,12 +324,12 @@ def launch(training_script: str, training_script_args: tuple[str, ...], **opts: 
     except ConfigError as exc:
         raise _fail(str(exc))
     if cfg.health_check == "nvml":
-        from agent.nvml_backend import NVML_FIX, probe_nvml
+        from hyperpodrun.agent.nvml_backend import NVML_FIX, probe_nvml
         problem = probe_nvml()
         if problem:
             raise _fail(f"--health-check nvml: {problem}. Fix: {NVML_FIX}")
     _setup_logging()
-    from agent.agent import Agent  # the agent (and torch) load only once the flags are valid
+    from hyperpodrun.agent.agent import Agent  # the agent (and torch) load only once the flags are valid
     _exit_now(Agent(cfg).run())
 
 

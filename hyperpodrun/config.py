@@ -158,6 +158,9 @@ class LaunchConfig(BaseModel):
     tee: dict[int, int] = Field(default_factory=dict)
     local_ranks_filter: Optional[list[int]] = None
 
+    # security (hyperpodrun/auth.py): file with the job secret; None -> HYPERPODRUN_JOB_SECRET or one of our own
+    job_secret_file: Optional[str] = None
+
     # hooks
     pre_train_script: Optional[str] = None
     pre_train_args: list[str] = Field(default_factory=list)

@@ -49,7 +49,7 @@ def _rank_files(run: str, rank: Optional[int]) -> list[str]:
 
 
 def _render_events(run: str) -> list[tuple[float, str]]:
-    from agent.events import event_files, format_event
+    from hyperpodrun.agent.events import event_files, format_event
     out = []
     for path in event_files(run):
         with open(path) as fh:

@@ -11,12 +11,12 @@ from typing import Any, Optional
 
 import pytest
 
-from agent import gpu_health as gh
-from agent.gpu_map import (DeviceInfo, fallback_inventory, initial_assignment, match_report, normalize_pci, spares,
+from hyperpodrun.agent import gpu_health as gh
+from hyperpodrun.agent.gpu_map import (DeviceInfo, fallback_inventory, initial_assignment, match_report, normalize_pci, spares,
                            visible_devices, visible_devices_for)
-from agent.nvml_backend import DeviceQueryError, NvmlUnavailable, PynvmlBackend, load_nvml, probe_nvml
-from agent.nvml_monitor import NvmlMonitor
-from agent.xid import GPU, INFO, RANK, WARN, GpuEvent, classify, classify_xid
+from hyperpodrun.agent.nvml_backend import DeviceQueryError, NvmlUnavailable, PynvmlBackend, load_nvml, probe_nvml
+from hyperpodrun.agent.nvml_monitor import NvmlMonitor
+from hyperpodrun.agent.xid import GPU, INFO, RANK, WARN, GpuEvent, classify, classify_xid
 from conftest import wait_until
 from hyperpodrun.errors import EXIT_NO_USABLE_GPU
 from hyperpodrun.runtime.health import CudaHealthCheck, HealthCheckError

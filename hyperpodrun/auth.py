@@ -1,0 +1,156 @@
+"""The job secret and what is derived from it: HMAC keys, signed store values, authenticated connections.
+
+Why: every port a job opens (peer-copy receivers, store servers) can be reached by whoever can reach the
+host. A per-job secret, known only to the job's agents and workers, lets a receiver refuse anyone else and
+lets an agent refuse a failure or generation record it did not see signed.
+
+Where the secret comes from (`job_secret`):
+- `--job-secret-file PATH` (e.g. a mounted Kubernetes Secret) or `HYPERPODRUN_JOB_SECRET`: the user gives every
+  node the same secret. Required for authenticated multi-node jobs.
+- otherwise, on a single node, the agent creates a random one; it never leaves the machine (it is kept in
+  the agent's memory and handed to its own children in `HYPERPODRUN_JOB_KEY`, an environment only the same
+  user and root can read).
+- otherwise (several nodes, no secret) the agents agree on a random one through the coordination store, and
+  the agent says once that the ports then trust whoever can reach that store.
+
+The workers never see the job secret itself, only `derive(secret, "worker")` in `HYPERPODRUN_JOB_KEY`; keys
+for one purpose are derived from that (`derive(key, purpose)`), so a leaked key of one purpose does not
+authenticate another.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import stat
+import struct
+from typing import Mapping, Optional
+
+from hyperpodrun.errors import ConfigError, HyperpodrunError
+
+#: environment variable with the user's job secret (the same on every node)
+SECRET_ENV = "HYPERPODRUN_JOB_SECRET"
+#: environment variable through which an agent hands the workers' key to its own children (hex)
+WORKER_KEY_ENV = "HYPERPODRUN_JOB_KEY"
+
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
+_NONCE = 32
+_MAC = hashlib.sha256().digest_size
+
+
+class AuthError(HyperpodrunError):
+    """A peer did not prove it knows the job's key, or a signed value does not verify."""
+
+
+def _check_secret(secret: bytes, where: str) -> bytes:
+    secret = secret.strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{where}: the job secret has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
+                          "(e.g. `openssl rand -hex 32`)")
+    return secret
+
+
+def read_secret_file(path: str) -> bytes:
+    """The secret in `path`; refuses a file every user can write (anyone could then choose the job's key)."""
+    flag = "--job-secret-file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # a mounted Kubernetes Secret is a symlink
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r}: cannot read it ({exc.strerror or exc}); give a readable file")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{flag} {path!r} is not a regular file")
+        if st.st_mode & 0o002:
+            raise ConfigError(f"{flag} {path!r} is writable by every user; chmod o-w it (e.g. chmod 0400)")
+        if st.st_size > MAX_SECRET_BYTES:
+            raise ConfigError(f"{flag} {path!r} has {st.st_size} bytes; a job secret is at most {MAX_SECRET_BYTES}")
+        data = os.read(fd, MAX_SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    return _check_secret(data, f"{flag} {path!r}")
+
+
+def job_secret(secret_file: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
+    """The user's job secret (file first, then HYPERPODRUN_JOB_SECRET), or None when none was given."""
+    if secret_file:
+        return read_secret_file(secret_file)
+    value = environ.get(SECRET_ENV)
+    if value:
+        return _check_secret(value.encode(), SECRET_ENV)
+    return None
+
+
+def new_secret() -> bytes:
+    """A fresh random secret (single-node jobs, or agreed through the store without a user secret)."""
+    return secrets.token_hex(32).encode()
+
+
+def derive(key: bytes, purpose: str) -> bytes:
+    """The key for `purpose` (e.g. "worker", "peer-copy", "store"), one-way from `key`."""
+    return hmac.new(key, b"hyperpodrun/" + purpose.encode(), hashlib.sha256).digest()
+
+
+def worker_key(environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
+    """In a worker: the key its agent handed down, or None outside hyperpodrun."""
+    value = environ.get(WORKER_KEY_ENV)
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ConfigError(f"{WORKER_KEY_ENV} is not hex; it is set by hyperpodrun, do not set it yourself")
+
+
+# ------------------------------------------------------------------ signed values (store records)
+def sign(key: bytes, value: bytes) -> bytes:
+    """`value` with an HMAC tag in front, for a store record only the job's agents may write."""
+    return hmac.new(key, value, hashlib.sha256).hexdigest().encode() + b"." + value
+
+
+def verify(key: bytes, signed: bytes) -> bytes:
+    """The value of a `sign`ed record; AuthError when the tag does not match (written by someone else)."""
+    tag, sep, value = signed.partition(b".")
+    if not sep or not hmac.compare_digest(tag, hmac.new(key, value, hashlib.sha256).hexdigest().encode()):
+        raise AuthError("a store record is not signed with the job's key (written by someone outside the job)")
+    return value
+
+
+# ------------------------------------------------------------------ authenticated connections
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise AuthError("connection closed during authentication")
+        buf += chunk
+    return bytes(buf)
+
+
+def _mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, role + b"".join(struct.pack("<I", len(p)) + p for p in parts), hashlib.sha256).digest()
+
+
+def server_handshake(sock: socket.socket, key: bytes, context: bytes = b"") -> None:
+    """Mutual challenge-response on an accepted connection; raises AuthError unless the client knows `key`.
+    Nothing but 32-byte nonces and MACs is read before the client has proved itself."""
+    mine = secrets.token_bytes(_NONCE)
+    sock.sendall(mine)
+    theirs = _recv_exact(sock, _NONCE)
+    proof = _recv_exact(sock, _MAC)
+    if not hmac.compare_digest(proof, _mac(key, b"client", context, mine, theirs)):
+        raise AuthError("the client does not know the job's key")
+    sock.sendall(_mac(key, b"server", context, theirs, mine))
+
+
+def client_handshake(sock: socket.socket, key: bytes, context: bytes = b"") -> None:
+    """The client side of `server_handshake`; AuthError when the server does not know `key` either."""
+    theirs = _recv_exact(sock, _NONCE)
+    mine = secrets.token_bytes(_NONCE)
+    sock.sendall(mine + _mac(key, b"client", context, theirs, mine))
+    proof = _recv_exact(sock, _MAC)
+    if not hmac.compare_digest(proof, _mac(key, b"server", context, mine, theirs)):
+        raise AuthError("the server does not know the job's key")
