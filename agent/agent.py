@@ -25,11 +25,13 @@ from hyperpodrun.agent.gpu_health import GpuHealth
 from hyperpodrun.agent.hooks import run_hook
 from hyperpodrun.agent.inprocess import InProcess
 from hyperpodrun.agent.rendezvous import Rendezvous, RendezvousInterrupted, hostname, rendezvous
-from hyperpodrun.agent.report import failure_summary
+from hyperpodrun.agent.report import CauseWindow, exit_is_symptom, exit_text, failure_summary
 from hyperpodrun.agent.supervisor import Reaper, Supervisor, WorkerProcess, become_subreaper, describe_exit, shell_code
 from hyperpodrun.agent.tee import Tee
 from hyperpodrun.agent.workers import WorkerLauncher
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun import auth, safe_fs, settings
+from hyperpodrun.runtime import shm_runs
+from hyperpodrun.config import LaunchConfig, private_log_base, temp_log_base
 from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED, HyperpodrunError
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -58,6 +60,7 @@ class Agent:
         self.control: Optional[ControlServer] = None
         self.inproc: Optional[InProcess] = None
         self.symptom_grace_s = symptom_grace()
+        self.causes = CauseWindow(settings.current().exit_grace_s)   # process-level: which rank failed first
         self.subreaper = False
         self.gpu: Optional[GpuHealth] = None
         self._warned_unwrapped = False
@@ -84,6 +87,15 @@ class Agent:
         except HyperpodrunError as exc:
             self.events.emit("agent_error", f"hyperpodrun: {exc}", level=logging.ERROR)
             return EXIT_AGENT_ERROR
+        except RuntimeError as exc:
+            # torch's DistError family: a call on the coordination store failed because the agent that hosts it
+            # (node 0, or the --rdzv-endpoint host) went away. One line, not a traceback.
+            if not any(c.__name__ == "DistError" for c in type(exc).__mro__):
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self.events.emit("store_lost", f"lost the coordination store ({first}): the node that hosts it is gone "
+                             "or unreachable; stopping this node", level=logging.ERROR)
+            return EXIT_AGENT_ERROR
         finally:
             self._cleanup()
 
@@ -105,10 +117,14 @@ class Agent:
         self.events.emit("agent_start", f"hyperpodrun agent on {self.host}: node {self.rdzv.node_rank}/"
                          f"{self.rdzv.nnodes}, ranks {self.rdzv.rank_offset}..{self.rdzv.rank_offset + cfg.nproc_per_node - 1}"
                          f" of {self.rdzv.world_size}, run dir {run_dir}", run_id=self.rdzv.run_id, pid=os.getpid())
-        self.coord = Coordinator(self.rdzv.store, self.rdzv.nnodes, cfg.max_restarts)
+        if self.rdzv.secret_warning:
+            self.events.emit("insecure", self.rdzv.secret_warning, level=logging.WARNING)
+        self.coord = Coordinator(self.rdzv.store, self.rdzv.nnodes, cfg.max_restarts,
+                                 key=auth.derive(self.rdzv.secret, "store"), run_id=self.rdzv.run_id,
+                                 node_rank=self.rdzv.node_rank, on_forged=lambda msg: self.post(("forged", msg)))
         if self.rdzv.store_host:
-            self.wstores = stores.WorkerStores("0.0.0.0" if not self.rdzv.single_node else "127.0.0.1")
-        self.tee = Tee()
+            self.wstores = stores.WorkerStores(self.rdzv.bind_addr)   # loopback on one node (README, Security)
+        self.tee = Tee(on_problem=lambda message: self.post(("output_dropped", message)))
         if cfg.health_check != "none":
             self.gpu = GpuHealth(self)    # NVML monitor thread (or one info line why not): agent/gpu_health.py
             if self.phase == "done":      # a GPU already unusable at start and no spare: exit 76 before any worker
@@ -141,7 +157,7 @@ class Agent:
             self.watcher = Watcher(
                 lambda: stores.prefixed(f"hyperpodrun/{run_id}/", stores.open_tcp_store(
                     endpoint[0], endpoint[1], server=False, timeout_s=cfg.join_timeout)),
-                self.post, cfg.monitor_interval)
+                self.post, cfg.monitor_interval, records=self.coord.records_for)
             self.watcher.start()
         self.generation = self.coord.generation()
         self._enter_generation(self.generation)
@@ -177,16 +193,18 @@ class Agent:
         import json
         assert self.control is not None and self.rdzv is not None
         path = os.path.join(run_dir, f"node{self.rdzv.node_rank}.agent.json")
-        with open(path + ".tmp", "w") as fh:
+        with os.fdopen(safe_fs.open_private(path + ".tmp"), "w") as fh:
             json.dump({"control": self.control.endpoint, "pid": os.getpid(), "host": self.host,
                        "node_rank": self.rdzv.node_rank, "rank_offset": self.rdzv.rank_offset,
                        "nproc_per_node": self.cfg.nproc_per_node}, fh)
         os.replace(path + ".tmp", path)
 
     def _make_run_dir(self, run_id: str) -> str:
-        path = os.path.join(self.cfg.log_dir, run_id)
-        os.makedirs(path, exist_ok=True)
-        return path
+        """<log-dir>/<run-id>: ours alone under the default log dir; elsewhere a directory of ours that nobody
+        else can write (never one another user created or a symlink: hyperpodrun/safe_fs.py)."""
+        if self.cfg.log_dir == temp_log_base():
+            return safe_fs.private_tree(private_log_base(), run_id)
+        return safe_fs.owned_dir(os.path.join(self.cfg.log_dir, run_id))
 
     # ------------------------------------------------------------------------------------ the loop
     def _loop(self) -> int:
@@ -204,7 +222,7 @@ class Agent:
                 poller.register(fd, zmq.POLLIN)
             registered = fds
             timeout = self.cfg.monitor_interval
-            for deadline in (self.stop_deadline, self.finish_deadline):
+            for deadline in (self.stop_deadline, self.finish_deadline, self.causes.deadline):
                 if deadline is not None:
                     timeout = max(0.0, min(timeout, deadline - time.monotonic()))
             poller.poll(timeout * 1000)
@@ -265,6 +283,11 @@ class Agent:
         if self.launcher is not None:
             self.launcher.poll_warm_spawner()
         now = time.monotonic()
+        if self.causes.open:
+            if self.phase != "running":
+                self.causes.clear()      # stopping for another reason (a signal, another node's restart)
+            elif (cause := self.causes.due(now)) is not None:
+                self._act_on_cause(cause)
         if self.inproc is not None and self.phase in ("running", "restarting"):
             self.inproc.tick(now)
         if self.phase == "stopping":
@@ -288,17 +311,21 @@ class Agent:
 
     def _on_posted(self, event: tuple) -> None:
         kind = event[0]
-        if kind == "generation":
+        if kind == "output_dropped":     # the tee could not write a log file or the console (once per kind)
+            self.events.emit("output_dropped", event[1], level=logging.WARNING)
+        elif kind == "generation":
             self._on_remote_generation(int(event[1]))
         elif kind == "failed":
             self._on_remote_failure(event[1])
+        elif kind == "forged":
+            self.events.emit("forged_record", event[1], level=logging.WARNING)
         elif kind == "gpu" and self.gpu is not None:
             self.gpu.on_event(event[1])
         elif kind == "store_lost":
             if self.phase not in ("done",) and not (self.phase == "finishing" and not self.rdzv.store_host):
                 if self.phase != "stopping":
-                    self.events.emit("store_lost", f"lost the coordination store ({event[1]}); stopping this node",
-                                     level=logging.ERROR)
+                    self.events.emit("store_lost", f"lost the coordination store ({event[1]}): the node that "
+                                     "hosts it is gone or unreachable; stopping this node", level=logging.ERROR)
                     self._begin_stop(("exit", EXIT_AGENT_ERROR), self.cfg.shutdown_signal)
 
     def _on_remote_generation(self, gen: int) -> None:
@@ -335,8 +362,10 @@ class Agent:
                          level=logging.INFO if code == 0 or proc.signalled else logging.WARNING)
         if self.inproc is not None and self.phase in ("running", "restarting"):
             if self.inproc.ever_hello:
-                if code == 0 and self.inproc.completing:
-                    if all(p.returncode == 0 for p in self.sup.workers.values()):
+                if self.inproc.exit_ok(proc.local_rank, code):   # 0, or SIGABRT in teardown after DONE
+                    self.inproc.excuse_teardown_abort(proc.local_rank, code)
+                    if all(p.returncode is not None and self.inproc.exit_ok(p.local_rank, p.returncode)
+                           for p in self.sup.workers.values()):
                         self._on_local_success()
                     return
                 self.inproc.on_exit(proc.local_rank, code, proc.signalled)
@@ -351,16 +380,28 @@ class Agent:
             if all(p.returncode == 0 for p in self.sup.workers.values()):
                 self._on_local_success()
             return
-        self.detect_t = time.monotonic()
+        if not self.causes.open:
+            self.detect_t = time.monotonic()
         self._on_worker_failure(proc, code)
 
     def _on_worker_failure(self, proc: WorkerProcess, code: int) -> None:
+        """A worker failed: act on it now, or, when it looks like a consequence of another rank's failure,
+        wait a moment for that rank's exit, so that the restart names the rank that really failed."""
         assert self.coord is not None and self.launcher is not None
+        error_file = self.launcher.error_file(proc)
         info = {"host": self.host, "rank": proc.rank, "local_rank": proc.local_rank, "pid": proc.pid,
                 "exit_code": shell_code(code), "cause": describe_exit(code), "generation": self.generation,
-                "error_file": self.launcher.error_file(proc)}
+                "error_file": error_file, "stderr_log": self.launcher.stderr_log(proc),
+                "symptom": exit_is_symptom(code, exit_text(self.launcher.stderr_log(proc), error_file))}
         info["summary"] = failure_summary(info)
-        self._restart_or_fail(info, f"rank {proc.rank} failed: {describe_exit(code)}")
+        cause = self.causes.add(info, time.monotonic())
+        if cause is not None:
+            self._act_on_cause(cause)
+
+    def _act_on_cause(self, cause: dict[str, Any]) -> None:
+        folded = cause.get("folded")
+        also = f" (also failed, most likely as a consequence: {', '.join(folded)})" if folded else ""
+        self._restart_or_fail(cause, f"rank {cause['rank']} failed: {cause['cause']}{also}")
 
     def _restart_or_fail(self, info: dict[str, Any], message: str) -> None:
         """Process-level: restart every worker of the job while the budget lasts, else end the job."""
@@ -501,14 +542,25 @@ class Agent:
         except OSError as exc:
             log.info("no warm respawns: the warm spawner did not start (%s)", exc)
 
+    def end_warm_spawner(self) -> None:
+        """The job completed: stop the zygote at once (no respawn is coming; its teardown of torch would only
+        compete with the workers' exit). The workers it forked live in sessions of their own."""
+        warm = getattr(self.launcher, "warm", None)
+        if warm is not None and self.launcher is not None:
+            try:
+                warm.proc.kill()
+            except OSError:
+                pass
+            self.launcher.stop_warm_spawner()
+
     def escalate(self, target: int, root: dict[str, Any]) -> None:
         """In-process restart did not finish in time: process-level restart of this node."""
         assert self.coord is not None
         nxt, _, budget_ok = self.coord.request_restart(target, root, count_budget=True)
         if not budget_ok:
-            self.fail_job(dict(root, summary=f"in-process restart timed out and the restart budget "
-                               f"(--max-restarts {self.cfg.max_restarts}) is spent; last fault: {root.get('summary')}",
-                               cause="in-process restart timed out"), EXIT_RESTARTS_EXHAUSTED)
+            why = (f"in-process restart timed out and the restart budget (--max-restarts {self.cfg.max_restarts}) "
+                   f"is spent; {root.get('summary')}")
+            self.fail_job(dict(root, summary=why, cause=why), EXIT_RESTARTS_EXHAUSTED)
             return
         self.detect_t = time.monotonic()
         self.events.emit("restart_begin", f"process-level restart of this node's workers: generation {nxt} "
@@ -595,6 +647,8 @@ class Agent:
             self.events.emit("job_failed", summary, level=logging.ERROR, exit_code=code)
         elif code == 0:
             self.events.emit("job_done", "job finished successfully", exit_code=0)
+            if self.rdzv is not None:   # every local worker exited 0: their snapshots are not needed any more
+                shm_runs.remove_finished(shm_runs.checkpoint_base(), self.rdzv.run_id, os.getpid())
         else:
             self.events.emit("agent_exit", f"agent exiting with code {code}", exit_code=code)
 
@@ -627,4 +681,7 @@ class Agent:
                 os.close(fd)
             except OSError:
                 pass
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except (AttributeError, OSError, ValueError):   # a closed or broken stdout must not fail the job
+            pass

@@ -18,24 +18,14 @@ from hyperpodrun import protocol as P
 log = logging.getLogger("hyperpodrun.agent")
 
 
-DEFAULT_SYMPTOM_GRACE_S = 0.25
-
-
 def symptom_grace() -> float:
     """How long a batch that holds only symptoms ("connection closed by peer" from ranks whose peer failed)
-    waits for the report of the real cause (HYPERPODRUN_SYMPTOM_GRACE_S). zmq's ROUTER fair-queues between
-    workers, so the rank that raised may be read after a rank that only saw the broken connection, although
-    it sent first; and a SIGKILLed rank's exit may be seen after its peers' reports."""
-    raw = os.environ.get("HYPERPODRUN_SYMPTOM_GRACE_S", "")
-    try:
-        value = float(raw) if raw else DEFAULT_SYMPTOM_GRACE_S
-        if not 0 <= value <= 60:
-            raise ValueError
-        return value
-    except ValueError:
-        log.warning("HYPERPODRUN_SYMPTOM_GRACE_S=%r is not a number of seconds in 0..60; using %.2f",
-                    raw, DEFAULT_SYMPTOM_GRACE_S)
-        return DEFAULT_SYMPTOM_GRACE_S
+    waits for the report of the real cause (HYPERPODRUN_SYMPTOM_GRACE_S, checked in hyperpodrun/settings.py).
+    zmq's ROUTER fair-queues between workers, so the rank that raised may be read after a rank that only saw
+    the broken connection, although it sent first; and a SIGKILLed rank's exit may be seen after its peers'
+    reports."""
+    from hyperpodrun import settings
+    return settings.current().symptom_grace_s
 
 
 def is_symptom(msg: P._Msg) -> bool:
@@ -63,6 +53,7 @@ class ControlServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(self.endpoint)
+        os.chmod(f"{self._dir}/ctl", 0o600)   # in a 0700 dir (mkdtemp) already: only this user and root connect
 
     def receive(self) -> Iterator[tuple[bytes, P._Msg]]:
         """Every message waiting now, as (sender identity, message)."""

@@ -5,11 +5,14 @@ timestamp and, where it ends a phase, its duration. `hyperpodrun logs --events` 
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import time
 from typing import Any, Optional
+
+from hyperpodrun import safe_fs
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -25,11 +28,33 @@ class EventLog:
 
     def open(self, path: str, node_rank: int) -> None:
         self.node_rank = node_rank
-        self._fh = open(path, "a", buffering=1)
+        # never through a symlink someone put there, and not readable by other users (safe_fs.py)
+        try:
+            fd = safe_fs.open_append(path)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise safe_fs.UnsafePathError(f"{path} is a symlink; hyperpodrun does not write its logs through "
+                                          "symlinks. Remove it (someone else may have planted it)") from None
+        self._fh = os.fdopen(fd, "a", buffering=1)
         for rec in self._pending:
             rec["node"] = node_rank
-            self._fh.write(json.dumps(rec) + "\n")
+            self._write(json.dumps(rec, default=str) + "\n")
         self._pending.clear()
+
+    def _write(self, line: str) -> None:
+        """Append one record in one write (O_APPEND, past the text buffer). A full or broken log filesystem
+        loses records, with one warning on stderr; it never stops the agent."""
+        assert self._fh is not None
+        try:
+            data = memoryview(line.encode())
+            while data:
+                data = data[os.write(self._fh.fileno(), data):]
+        except OSError as exc:
+            if not getattr(self, "_write_failed", False):
+                self._write_failed = True
+                log.warning("cannot write the event log (%s); dropping event records while it cannot be written "
+                            "(the job goes on)", exc.strerror or exc)
 
     def emit(self, event: str, message: str = "", *, level: int = logging.INFO, **fields: Any) -> dict[str, Any]:
         """Record one event; `message` is the human line, `fields` the structured data."""
@@ -40,7 +65,7 @@ class EventLog:
         if message:
             rec["msg"] = message
         if self._fh is not None:
-            self._fh.write(json.dumps(rec, default=str) + "\n")
+            self._write(json.dumps(rec, default=str) + "\n")
         else:
             self._pending.append(rec)
         log.log(level, "%s", message or event)

@@ -10,51 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from hyperpodrun import protocol as P
+from hyperpodrun.agent.rankstate import RankState, Round, not_ready
 from hyperpodrun.errors import EXIT_STEP_KEEPS_FAILING
 
 if TYPE_CHECKING:
     from hyperpodrun.agent.agent import Agent
 
 log = logging.getLogger("hyperpodrun.agent")
-
-
-@dataclass
-class RankState:
-    local_rank: int
-    rank: int
-    pid: Optional[int] = None
-    ident: Optional[bytes] = None
-    hello: bool = False
-    last_beat: float = 0.0
-    state: str = "starting"
-    step: Optional[int] = None
-    seq: Optional[int] = None
-    progress_t: float = field(default_factory=time.monotonic)
-    ready_gen: int = -1
-    done_gen: int = -1
-    beat_gen: int = -1
-    killed: bool = False
-    fault_gen: int = -1       # newest generation this process reported a FAULT in (it is recovering from it)
-
-
-@dataclass
-class Round:
-    target: int
-    t_detect: float
-    root: dict[str, Any]
-    deadline: float
-    grace_at: float
-    signalled: bool = False
-    culprits: set[int] = field(default_factory=set)
-    kill_stage: int = 0
-    node_ready_marked: bool = False
-    ready_logged: set[int] = field(default_factory=set)
-    folded: int = 0
 
 
 class InProcess:
@@ -73,6 +40,7 @@ class InProcess:
         self.node_done_marked = -1
         self.last_fault_step: Optional[tuple] = None
         self.step_failures = 0
+        self.excused: set[int] = set()   # local ranks whose SIGABRT after completion was not counted
         self.grace = max(2 * self.cfg.heartbeat_interval, min(self.cfg.heartbeat_timeout, self.cfg.inprocess_timeout / 4))
 
     # ------------------------------------------------------------------ helpers
@@ -87,6 +55,7 @@ class InProcess:
     def on_spawn(self, local_rank: int, pid: int) -> None:
         st = self.ranks[local_rank]
         st.pid, st.ident, st.hello, st.state, st.killed = pid, None, False, "starting", False
+        st.step, st.stack = None, None
         st.last_beat = time.monotonic()
         st.progress_t = time.monotonic()
 
@@ -119,6 +88,7 @@ class InProcess:
             if key != (st.step, st.seq) or msg.state != st.state or msg.generation != st.beat_gen:
                 st.progress_t = now
             st.step, st.seq, st.state, st.beat_gen = msg.step, msg.seq, msg.state, msg.generation
+            st.stack = msg.stack
         elif isinstance(msg, P.Fault):
             st.step = msg.step if msg.step is not None else st.step
             st.fault_gen = max(st.fault_gen, msg.generation)
@@ -141,6 +111,8 @@ class InProcess:
         elif isinstance(msg, P.Done):
             st.done_gen = max(st.done_gen, msg.generation)
             st.state = "done"
+            self.a.events.emit("rank_done", f"rank {st.rank} finished generation {msg.generation}", rank=st.rank,
+                               generation=msg.generation, level=logging.DEBUG)
 
     def _on_fault(self, st: RankState, msg: P.Fault) -> None:
         info = {"host": self.a.host, "rank": st.rank, "local_rank": st.local_rank, "pid": st.pid,
@@ -158,12 +130,35 @@ class InProcess:
         self.fault(info, failed=())
 
     # ------------------------------------------------------------------ faults
+    def exit_ok(self, local_rank: int, code: int) -> bool:
+        """Whether a worker's exit, once the job completed, counts as success: exit code 0, or SIGABRT of a
+        rank that had reported completion - torch's gloo can abort the process in interpreter teardown
+        ("terminate called without an active exception", a worker thread dropping a tensor while Python
+        finalizes); the training result is in by then, so it does not fail the job."""
+        if not self.completing:
+            return False
+        if code == 0:
+            return True
+        st = self.ranks[local_rank]
+        return code in (-signal.SIGABRT, 128 + signal.SIGABRT) and st.done_gen >= self.a.generation
+
+    def excuse_teardown_abort(self, local_rank: int, code: int) -> None:
+        """Say once per rank, as a warning, that an abort after completion was not counted as a failure."""
+        st = self.ranks[local_rank]
+        if code != 0 and local_rank not in self.excused:
+            self.excused.add(local_rank)
+            self.a.events.emit("teardown_abort", f"rank {st.rank} (pid {st.pid}) aborted (SIGABRT) in interpreter "
+                               "teardown after it reported completion; not counted as a failure (torch's gloo "
+                               "teardown race: release DDP, works and tensors before destroy_process_group())",
+                               rank=st.rank, pid=st.pid, level=logging.WARNING)
+
     def on_exit(self, local_rank: int, code: int, signalled: bool) -> None:
         """A worker process ended (already reaped)."""
         st = self.ranks[local_rank]
         st.hello = False
         st.ident = None
-        if self.completing and code == 0:
+        if self.exit_ok(local_rank, code):
+            self.excuse_teardown_abort(local_rank, code)
             return
         from hyperpodrun.agent.supervisor import describe_exit, shell_code
         cause = describe_exit(code)
@@ -190,7 +185,7 @@ class InProcess:
                                generation=r.target, rank=info.get("rank"), level=logging.INFO)
         if failed and r is not None and r.node_ready_marked and not self.a.rdzv.single_node:  # type: ignore
             # this node counted itself ready, then lost a rank: take the mark back so GO waits for it
-            self.a.coord.store.add(f"ipready/{r.target}", -1)  # type: ignore[union-attr]
+            self.a.coord.mark_node(f"ipready/{r.target}", on=False)  # type: ignore[union-attr]
             r.node_ready_marked = False
         for lr in failed:
             self._respawn(lr)
@@ -247,18 +242,17 @@ class InProcess:
         so a node that only saw "connection reset by peer" reports the same root cause at GO."""
         if self.a.rdzv.single_node or r.root.get("secondary"):  # type: ignore[union-attr]
             return
-        store = self.a.coord.store  # type: ignore[union-attr]
-        if int(store.add(f"rootcause/{r.target}/claim", 1)) == 1:
-            store.set(f"rootcause/{r.target}", json.dumps(dict(r.root, node=self.a.rdzv.node_rank), default=str))
+        self.a.coord.records.claim(f"rootcause/{r.target}",  # type: ignore[union-attr]
+                                   json.dumps(dict(r.root, node=self.a.rdzv.node_rank), default=str))
 
     def _job_root(self, r: Round) -> dict[str, Any]:
         """The root cause of round r as reported at GO: ours, or another node's when we only saw a symptom."""
         if self.a.rdzv.single_node or not r.root.get("secondary"):  # type: ignore[union-attr]
             return r.root
-        store, key = self.a.coord.store, f"rootcause/{r.target}"  # type: ignore[union-attr]
         try:
-            if store.check([key]):
-                root = json.loads(store.get(key))
+            value = self.a.coord.records.read(f"rootcause/{r.target}")  # type: ignore[union-attr]
+            if value is not None:
+                root = json.loads(value)
                 return dict(root, summary=f"{root.get('summary')} (node {root.get('node')})")
         except Exception as exc:  # the store is only asked for a better message: never fatal here
             log.debug("root cause of generation %d not readable: %s", r.target, exc)
@@ -337,14 +331,15 @@ class InProcess:
             return
         if not self.a.rdzv.single_node:  # type: ignore[union-attr]
             if self.node_done_marked != g:
-                self.a.coord.store.add(f"ipdone/{g}", 1)  # type: ignore[union-attr]
+                self.a.coord.mark_node(f"ipdone/{g}")  # type: ignore[union-attr]
                 self.node_done_marked = g
-            if int(self.a.coord.store.add(f"ipdone/{g}", 0)) < self.a.rdzv.nnodes:  # type: ignore
+            if self.a.coord.nodes_marked(f"ipdone/{g}") < self.a.rdzv.nnodes:  # type: ignore
                 return
         self.completing = True
         self.a.events.emit("complete", f"every rank finished generation {g}: releasing the workers", generation=g)
         for st in self.ranks.values():
             self._send(st, P.Shutdown(reason="complete"))
+        self.a.end_warm_spawner()   # nothing left to respawn: it must not compete with the workers' exit
 
     def _advance_round(self, now: float, live: dict) -> None:
         r = self.round
@@ -377,9 +372,9 @@ class InProcess:
         if all_ready:
             if not a.rdzv.single_node:  # type: ignore[union-attr]
                 if not r.node_ready_marked:
-                    a.coord.store.add(f"ipready/{r.target}", 1)  # type: ignore[union-attr]
+                    a.coord.mark_node(f"ipready/{r.target}")  # type: ignore[union-attr]
                     r.node_ready_marked = True
-                if int(a.coord.store.add(f"ipready/{r.target}", 0)) < a.rdzv.nnodes:  # type: ignore
+                if a.coord.nodes_marked(f"ipready/{r.target}") < a.rdzv.nnodes:  # type: ignore
                     all_ready = False
         if all_ready:
             port = a.coord.worker_store_port(r.target)  # type: ignore[union-attr]
@@ -387,11 +382,22 @@ class InProcess:
                 self._go(r, port, now)
                 return
         if now >= r.deadline:
+            missing = self.not_ready(r.target, now)
+            what = "; ".join(m for _, m in missing) or "every rank of this node is ready; other nodes are not"
             a.events.emit("inprocess_timeout", f"in-process restart to generation {r.target} not done within "
-                          f"--inprocess-timeout {self.cfg.inprocess_timeout:g}s: escalating to a process-level "
-                          "restart", generation=r.target, level=logging.ERROR)
+                          f"--inprocess-timeout {self.cfg.inprocess_timeout:g}s: {what}; escalating to a "
+                          "process-level restart", generation=r.target, not_ready=[m for _, m in missing],
+                          level=logging.ERROR)
             self.round = None
-            a.escalate(r.target, r.root)
+            root = dict(r.root, summary=f"{what} (the restart began with: {r.root.get('summary')})")
+            if missing:   # the report names the first rank that never got READY, not the fault's rank
+                st = missing[0][0]
+                root.update(rank=st.rank, local_rank=st.local_rank, pid=st.pid)
+            a.escalate(r.target, root)
+
+    def not_ready(self, target: int, now: float) -> list[tuple[RankState, str]]:
+        """The local ranks that have not reported READY for `target`, each with what it was doing."""
+        return not_ready(self.ranks, self.a.sup.workers, target, now)  # type: ignore[union-attr]
 
     def _go(self, r: Round, port: int, now: float) -> None:
         a = self.a

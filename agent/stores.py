@@ -5,6 +5,10 @@ reusing one store across generations makes a replacement rank dial stale peer ad
 a new port gives every generation a clean namespace; closing the old one releases any rank still
 waiting on it. The store is hosted by an agent, never by a worker, so any rank - rank 0 included - can
 die and be replaced.
+
+Every server listens on one address only (hyperpodrun/netaddr.py decides which: loopback on one node, the
+job's interface with several): torch's TCPStore would listen on every interface whatever host it is
+given, so it gets a socket bound here (`master_listen_fd`), which it owns and closes with the store.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import socket
 from datetime import timedelta
 from typing import Optional
 
+from hyperpodrun import netaddr
 from hyperpodrun.errors import RendezvousError
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -23,16 +28,32 @@ def _torch_dist():
     return dist
 
 
-def open_tcp_store(host: str, port: int, *, server: bool, timeout_s: float, wait_for_workers: bool = False):
-    """A TCPStore client or server; a clear RendezvousError instead of a torch traceback."""
+def open_tcp_store(host: str, port: int, *, server: bool, timeout_s: float, wait_for_workers: bool = False,
+                   bind: Optional[str] = None):
+    """A TCPStore client or server; a clear RendezvousError instead of a torch traceback.
+
+    A server listens on `bind` only (required for a server; "0.0.0.0" only where netaddr found no better)."""
     dist = _torch_dist()
     try:
-        return dist.TCPStore(host, port, is_master=server, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=wait_for_workers, multi_tenant=False)
+        if not server:
+            return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                                 wait_for_workers=wait_for_workers, multi_tenant=False)
+        if not bind:
+            raise ValueError("a store server needs the address to listen on")
+        sock = netaddr.listen_socket(bind, port)
+        port = sock.getsockname()[1]
+        fd = sock.detach()                      # the store owns the descriptor from here and closes it
+        # the server's own client connects to `bind` (a wildcard bind is reached on loopback)
+        own = netaddr.LOOPBACK if bind in ("0.0.0.0", "::") else bind
+        # (should the store fail to start, torch may have closed `fd` already: it is left alone then)
+        return dist.TCPStore(own, port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=wait_for_workers, multi_tenant=False, master_listen_fd=fd,
+                             use_libuv=True)
     except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
         what = "serve" if server else "reach"
+        where = f"{host}:{port}" + (f" (listening on {bind})" if server and bind and bind != host else "")
         raise RendezvousError(
-            f"cannot {what} the coordination store at {host}:{port}: {str(exc).splitlines()[0]}. "
+            f"cannot {what} the coordination store at {where}: {str(exc).splitlines()[0]}. "
             "Check the address/port, that the port is free on the host node, and that the nodes can reach it.")
 
 
@@ -69,12 +90,12 @@ class WorkerStores:
     """The per-generation store servers this agent hosts for the workers."""
 
     def __init__(self, bind_host: str) -> None:
-        self._bind_host = bind_host
+        self._bind_host = bind_host       # loopback on one node, the job's interface with several
         self._servers: dict[int, object] = {}
 
     def open(self, generation: int) -> int:
         """Start generation `generation`'s server; returns its port. Older servers are closed."""
-        store = open_tcp_store(self._bind_host, 0, server=True, timeout_s=60)
+        store = open_tcp_store(self._bind_host, 0, server=True, timeout_s=60, bind=self._bind_host)
         self._servers[generation] = store
         for g in [g for g in self._servers if g < generation]:
             self.close(g)

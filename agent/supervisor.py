@@ -122,19 +122,14 @@ class Supervisor:
         self._extra: set[int] = {reaper.pid}          # our other children (reaper, hooks)
 
     def spawn(self, local_rank: int, rank: int, generation: int, argv: list[str], env: dict[str, str],
-              stdout_path: Optional[str], stderr_path: Optional[str], cwd: Optional[str] = None) -> WorkerProcess:
-        """Start one worker in its own session; stdout/stderr to files when paths are given."""
-        out = open(stdout_path, "ab", buffering=0) if stdout_path else None
-        err = open(stderr_path, "ab", buffering=0) if stderr_path else None
+              stdout: Optional[int], stderr: Optional[int], cwd: Optional[str] = None) -> WorkerProcess:
+        """Start one worker in its own session; stdout/stderr to these fds (the write ends of the pipes the
+        agent drains, agent/tee.py; the caller closes them), or the agent's own when None."""
         try:
-            popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                                      start_new_session=True, close_fds=True)
         except OSError as exc:
             raise WorkerSpawnError(f"cannot start local rank {local_rank} ({argv[0]!r}): {exc.strerror}") from exc
-        finally:
-            for fh in (out, err):
-                if fh is not None:
-                    fh.close()
         return self.adopt(local_rank, rank, generation, popen)
 
     def adopt(self, local_rank: int, rank: int, generation: int, popen: Any) -> WorkerProcess:

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from typing import Any, Optional
 
+from hyperpodrun import safe_fs
+
 log = logging.getLogger("hyperpodrun.agent")
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
@@ -31,7 +33,9 @@ class WarmSpawnError(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get("HYPERPODRUN_WARM_RESPAWN", "1").strip().lower() not in ("0", "false", "no", "off")
+    """HYPERPODRUN_WARM_RESPAWN (hyperpodrun/settings.py: checked at start-up, anything but on/off is refused)."""
+    from hyperpodrun import settings
+    return settings.current().warm_respawn
 
 
 class WarmSpawner:
@@ -39,7 +43,7 @@ class WarmSpawner:
 
     def __init__(self, env: dict[str, str], script: str, log_path: Optional[str]) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        err = open(log_path, "ab", buffering=0) if log_path else subprocess.DEVNULL
+        err = safe_fs.append_file(log_path) if log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen([sys.executable, "-u", ZYGOTE, str(theirs.fileno()), script], env=env,
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,

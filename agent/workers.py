@@ -12,13 +12,14 @@ import signal
 import sys
 from typing import Any, Callable, Optional
 
+from hyperpodrun import safe_fs
 from hyperpodrun.agent import warm_spawner
 from hyperpodrun.agent.rendezvous import Rendezvous
 from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.warm_spawner import AdoptedProcess
-from hyperpodrun.agent.tee import Tee
+from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
-from hyperpodrun.env import WorkerIdentity, inprocess_env_overrides, worker_env
+from hyperpodrun.env import WorkerIdentity, hand_down_key, inprocess_env_overrides, worker_env
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -54,6 +55,7 @@ class WorkerLauncher:
         self._warm_noted = False
         self.base_env = self._base_env()
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
+        self._streams: dict[int, list[int]] = {}   # pid -> its tee streams (pipes)
 
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -61,6 +63,7 @@ class WorkerLauncher:
             env["OMP_NUM_THREADS"] = "1"
             log.warning("setting OMP_NUM_THREADS=1 for each worker (torchrun's default with several workers "
                         "per node); set it yourself to tune")
+        hand_down_key(env, self.rdzv.secret)
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
         if self.cfg.inprocess_restart:
             for name in inprocess_env_overrides(env):
@@ -90,11 +93,16 @@ class WorkerLauncher:
         """Start local rank `local_rank` for `generation`; `warm`: fork it from the warm spawner when it can."""
         who = self.identity(local_rank)
         rank_dir = os.path.join(self.run_dir, f"attempt_{generation}", f"rank_{who.rank}")
-        os.makedirs(rank_dir, exist_ok=True)
         error_file = os.path.join(rank_dir, "error.json")
-        if os.path.exists(error_file):
-            os.replace(error_file, error_file + ".prev")
         to_file, teed = self._modes(local_rank)
+        try:
+            safe_fs.owned_tree(self.run_dir, f"attempt_{generation}", f"rank_{who.rank}")   # no symlinks, ours
+            if os.path.exists(error_file):
+                os.replace(error_file, error_file + ".prev")
+        except OSError as exc:   # a full or broken log filesystem: the rank runs, its output is not kept in files
+            self.tee.problem("file", f"cannot create {rank_dir}: {exc.strerror or exc}; worker output is not kept "
+                             "in log files (the job goes on)")
+            to_file = 0
         out = os.path.join(rank_dir, "stdout.log") if to_file & STD_OUT else None
         err = os.path.join(rank_dir, "stderr.log") if to_file & STD_ERR else None
         env = worker_env(self.base_env, who, master_addr=self.rdzv.master_addr, master_port=store_port,
@@ -103,18 +111,32 @@ class WorkerLauncher:
                          inprocess=self.cfg.inprocess_restart, heartbeat_interval=self.cfg.heartbeat_interval)
         if self.env_for is not None:
             env.update(self.env_for(local_rank))
-        for path in (out, err):
-            if path:
-                open(path, "ab").close()
+        # each stream that is kept in a file or teed is a pipe the agent drains (agent/tee.py); one that is
+        # neither goes straight to the agent's console (None: inherited)
         prefix = f"[{self.host}:{who.rank}]: "
-        if out and teed & STD_OUT:
-            self.tee.follow(out, prefix, sys.stdout.buffer)
-        if err and teed & STD_ERR:
-            self.tee.follow(err, prefix, sys.stderr.buffer)
-        proc = self._warm_spawn(local_rank, who.rank, generation, env, out, err) if warm else None
-        if proc is None:
-            proc = self.sup.spawn(local_rank, who.rank, generation, self.argv, env, out, err)
+        ends: list[Optional[int]] = []
+        streams: list[int] = []
+        try:
+            for bit, path, console in ((STD_OUT, out, 1), (STD_ERR, err, 2)):
+                if not (to_file | teed) & bit:
+                    ends.append(None)
+                    continue
+                r, w = worker_pipe()
+                ends.append(w)
+                streams.append(self.tee.attach(r, path, console if teed & bit else None, prefix))
+            proc = self._warm_spawn(local_rank, who.rank, generation, env, ends) if warm else None
+            if proc is None:
+                proc = self.sup.spawn(local_rank, who.rank, generation, self.argv, env, ends[0], ends[1])
+        except BaseException:
+            for key in streams:
+                self.tee.release(key)
+            raise
+        finally:
+            for w in ends:
+                if w is not None:
+                    os.close(w)
         self._paths[proc.pid] = (out, err, error_file)
+        self._streams[proc.pid] = streams
         if self.on_spawn is not None:
             self.on_spawn(local_rank, proc.pid)
         warmed = isinstance(proc.popen, AdoptedProcess)
@@ -127,7 +149,8 @@ class WorkerLauncher:
         """Start the zygote that forks respawned workers (plain `python script` entry points only)."""
         if self.warm is not None or not warm_spawner.enabled() or self.cfg.module or self.cfg.no_python:
             return
-        self.warm = warm_spawner.WarmSpawner(self.base_env, self.argv[2], os.path.join(self.run_dir, "warm_spawner.log"))
+        self.warm = warm_spawner.WarmSpawner(self.base_env, self.argv[2],
+                                             os.path.join(self.run_dir, "warm_spawner.log"))
         self.sup.track_extra(self.warm.pid)
         self.sup.reaper.add(self.warm.pid)
 
@@ -150,20 +173,15 @@ class WorkerLauncher:
             self.warm = None
 
     def _warm_spawn(self, local_rank: int, rank: int, generation: int, env: dict[str, str],
-                    out: Optional[str], err: Optional[str]) -> Optional[WorkerProcess]:
+                    ends: list[Optional[int]]) -> Optional[WorkerProcess]:
         if self.warm is None:
             return None
-        fhs = [open(path, "ab", buffering=0) if path else None for path in (out, err)]
+        fds = [fd if fd is not None else std for fd, std in zip(ends, (1, 2))]
         try:
-            fds = [fh.fileno() if fh is not None else std for fh, std in zip(fhs, (1, 2))]
             pid = self.warm.spawn(self.argv[2:], env, os.getcwd(), fds[0], fds[1])
         except warm_spawner.WarmSpawnError as exc:
             log.info("rank %d: starting it the normal way: %s", rank, exc)
             return None
-        finally:
-            for fh in fhs:
-                if fh is not None:
-                    fh.close()
         return self.sup.adopt(local_rank, rank, generation, AdoptedProcess(pid))
 
     def spawn_all(self, generation: int, store_port: int) -> None:
@@ -176,11 +194,12 @@ class WorkerLauncher:
         paths = self._paths.get(proc.pid)
         return paths[2] if paths else None
 
-    def on_exit(self, proc: WorkerProcess) -> None:
-        """Flush the tee of an exited worker's files."""
+    def stderr_log(self, proc: WorkerProcess) -> Optional[str]:
+        """The worker's stderr log file; None when its stderr is not kept in a file."""
         paths = self._paths.get(proc.pid)
-        if not paths:
-            return
-        for path in paths[:2]:
-            if path:
-                self.tee.release(path)
+        return paths[1] if paths else None
+
+    def on_exit(self, proc: WorkerProcess) -> None:
+        """Take the rest of an exited worker's output from its pipes (its log files are complete after this)."""
+        for key in self._streams.pop(proc.pid, []):
+            self.tee.release(key)

@@ -11,6 +11,7 @@ ends with the same parameters bit for bit (CPU). Without hyperpodrun it runs onc
 """
 import argparse
 import datetime
+import gc
 import os
 
 import torch
@@ -61,6 +62,7 @@ def main(caller=None) -> None:
     start = cm.restore(state) or 0                          # None on a fresh start
     if rank == 0 and start:
         print(f"generation {caller.iteration}: resumed at step {start}", flush=True)
+    loss = None
     for step in range(start, args.steps):
         caller.progress(step)
         x, y = batch(step, rank, args.dim, device)
@@ -73,6 +75,10 @@ def main(caller=None) -> None:
         if rank == 0 and step % 50 == 0:
             print(f"generation {caller.iteration} step {step} loss {loss.item():.5f}", flush=True)
     cm.wait()
+    # release DDP and the last tensors before the group: a gloo thread must not free a tensor while
+    # Python exits (torch 2.13 can abort the process then)
+    del state, ddp, opt, sched, loss
+    gc.collect()
     dist.destroy_process_group()
 
 

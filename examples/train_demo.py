@@ -16,6 +16,7 @@ and every rank resumes from it after a restart.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -100,6 +101,7 @@ def main() -> int:
     print(f"rank {rank}/{world}: generation {generation}, starting at step {start} of {args.steps}", flush=True)
 
     t0 = time.monotonic()
+    loss = avg = None
     for step in range(start, args.steps):
         if generation == 0 and rank == args.fail_rank and step == args.fail_at_step:
             print(f"rank {rank}: injected fault at step {step} (generation {generation}): exiting with code 3",
@@ -125,6 +127,10 @@ def main() -> int:
     dist.barrier()
     if rank == 0:
         print(f"done: {args.steps} steps, generation {generation}", flush=True)
+    # release DDP and the last collectives' tensors before the group: a gloo thread must not free a tensor while
+    # Python exits (torch 2.13 can abort the process then)
+    del ddp, loss, avg
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

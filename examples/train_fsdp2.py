@@ -11,6 +11,7 @@ the replica (the groups are given to CheckpointManager). Works on gloo (CPU) and
 """
 import argparse
 import datetime
+import gc
 import os
 
 import torch
@@ -65,6 +66,7 @@ def main(caller=None) -> None:
     start = cm.restore(state) or 0
     if rank == 0 and start:
         print(f"generation {caller.iteration}: resumed at step {start}", flush=True)
+    loss = None
     for step in range(start, args.steps):
         caller.progress(step)
         g = torch.Generator().manual_seed(100_003 * step + rank)   # every rank its own data
@@ -76,6 +78,10 @@ def main(caller=None) -> None:
         cm.save(step + 1, state)
         if rank == 0 and step % 50 == 0:
             print(f"generation {caller.iteration} step {step} loss {loss.item():.5f}", flush=True)
+    # release the model and the last tensors before the group: a gloo thread must not free a tensor while
+    # Python exits (torch 2.13 can abort the process then)
+    del state, model, opt, loss
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ Without hyperpodrun (`python examples/train_inprocess.py`) it runs once as a sin
 """
 import argparse
 import datetime
+import gc
 import os
 
 import torch
@@ -37,6 +38,7 @@ def main(args: argparse.Namespace, caller=None) -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1234 + rank)
+    loss = None
     for step in range(args.steps):
         caller.progress(step)
         x = torch.randn(32, args.dim, generator=gen).to(device)
@@ -46,6 +48,10 @@ def main(args: argparse.Namespace, caller=None) -> None:
         opt.step()
         if rank == 0 and step % 50 == 0:
             print(f"generation {caller.iteration} step {step} loss {loss.item():.4f}", flush=True)
+    # release DDP and the last tensors before the group: a gloo thread must not free a tensor while
+    # Python exits (torch 2.13 can abort the process then)
+    del ddp, opt, loss
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ Without hyperpodrun (`python examples/train_mmap.py`) it runs once as a single p
 """
 import argparse
 import datetime
+import gc
 import logging
 import os
 
@@ -89,6 +90,7 @@ def main(caller=None) -> None:
     start = cm.restore(state) or 0                 # None on a fresh start
     if RANK == 0:
         print(f"generation {caller.iteration}: training from step {start}", flush=True)
+    loss = None
     for step, batch in loader.iter_from(start, stop=ARGS.steps):
         caller.progress(step)
         images = batch["image"].to(device, non_blocking=True).float().div_(255)
@@ -100,6 +102,10 @@ def main(caller=None) -> None:
         if RANK == 0 and step % 50 == 0:
             print(f"generation {caller.iteration} step {step} loss {loss.item():.4f} "
                   f"(batches from the cache {loader.stats['cached']}, direct {loader.stats['direct']})", flush=True)
+    # release DDP and the last tensors before the group: a gloo thread must not free a tensor while
+    # Python exits (torch 2.13 can abort the process then)
+    del state, ddp, opt, loss
+    gc.collect()
     dist.destroy_process_group()
 
 

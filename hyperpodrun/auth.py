@@ -12,10 +12,14 @@ Where the secret comes from (`job_secret`):
   user and root can read).
 - otherwise (several nodes, no secret) the agents agree on a random one through the coordination store, and
   the agent says once that the ports then trust whoever can reach that store.
+With several nodes the agents check at the rendezvous that they hold the same secret (agent/rendezvous.py,
+through an HMAC of the run id: the secret itself never goes through the store).
 
 The workers never see the job secret itself, only `derive(secret, "worker")` in `HYPERPODRUN_JOB_KEY`; keys
 for one purpose are derived from that (`derive(key, purpose)`), so a leaked key of one purpose does not
-authenticate another.
+authenticate another: the agents sign their store records with `derive(secret, "store")`
+(agent/coordination.py), the peer-copy connections authenticate with `derive(worker key, "peer-copy")`
+(runtime/peer_copy.py), and each connection's messages with the session key its handshake returns.
 """
 from __future__ import annotations
 
@@ -84,6 +88,13 @@ def job_secret(secret_file: Optional[str], environ: Mapping[str, str] = os.envir
     return None
 
 
+def checked_secret_file(secret_file: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """`secret_file` once the secret it names (or HYPERPODRUN_JOB_SECRET) is usable: the CLI checks it before
+    the agent starts, so a bad secret is a usage error (ConfigError) and not a failure of the job."""
+    job_secret(secret_file, environ)
+    return secret_file
+
+
 def new_secret() -> bytes:
     """A fresh random secret (single-node jobs, or agreed through the store without a user secret)."""
     return secrets.token_hex(32).encode()
@@ -134,9 +145,13 @@ def _mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, role + b"".join(struct.pack("<I", len(p)) + p for p in parts), hashlib.sha256).digest()
 
 
-def server_handshake(sock: socket.socket, key: bytes, context: bytes = b"") -> None:
+def server_handshake(sock: socket.socket, key: bytes, context: bytes = b"") -> bytes:
     """Mutual challenge-response on an accepted connection; raises AuthError unless the client knows `key`.
-    Nothing but 32-byte nonces and MACs is read before the client has proved itself."""
+    Nothing but 32-byte nonces and MACs is read before the client has proved itself.
+
+    Returns the session key (both ends compute the same, fresh for every connection) with which the
+    messages that follow are authenticated (`message_mac`), so that the rest of the stream cannot be
+    replaced or replayed by someone who can inject into the connection."""
     mine = secrets.token_bytes(_NONCE)
     sock.sendall(mine)
     theirs = _recv_exact(sock, _NONCE)
@@ -144,13 +159,24 @@ def server_handshake(sock: socket.socket, key: bytes, context: bytes = b"") -> N
     if not hmac.compare_digest(proof, _mac(key, b"client", context, mine, theirs)):
         raise AuthError("the client does not know the job's key")
     sock.sendall(_mac(key, b"server", context, theirs, mine))
+    return _mac(key, b"session", context, mine, theirs)
 
 
-def client_handshake(sock: socket.socket, key: bytes, context: bytes = b"") -> None:
-    """The client side of `server_handshake`; AuthError when the server does not know `key` either."""
+def client_handshake(sock: socket.socket, key: bytes, context: bytes = b"") -> bytes:
+    """The client side of `server_handshake` (returns the same session key); AuthError when the server does
+    not know `key` either."""
     theirs = _recv_exact(sock, _NONCE)
     mine = secrets.token_bytes(_NONCE)
     sock.sendall(mine + _mac(key, b"client", context, theirs, mine))
     proof = _recv_exact(sock, _MAC)
     if not hmac.compare_digest(proof, _mac(key, b"server", context, mine, theirs)):
         raise AuthError("the server does not know the job's key")
+    return _mac(key, b"session", context, theirs, mine)
+
+
+def message_mac(session: bytes, seq: int) -> "hmac.HMAC":
+    """A running MAC for message number `seq` of a session; feed it the message with update()."""
+    return hmac.new(session, struct.pack("<Q", seq), hashlib.sha256)
+
+
+MAC_BYTES = _MAC

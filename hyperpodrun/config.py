@@ -8,14 +8,33 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import tempfile
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hyperpodrun.errors import ConfigError
 
 STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
+
+# Bounds of the numeric flags (README, Flags). A value past them is a typo or an overflow, never a job: an
+# agent asked for 10**20 workers would grow until the OOM killer ends it, a timeout of 1e400 s never fires.
+#: workers per node (the largest machines have a few hundred CPU cores; a GPU node has 8-16 GPUs)
+MAX_NPROC_PER_NODE = 1024
+#: nodes in one job
+MAX_NNODES = 65536
+#: restart budgets and failure counts
+MAX_COUNT = 1_000_000
+#: every timeout: one week
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: every polling interval: at least 1 ms (a busy loop otherwise), at most one hour
+MIN_INTERVAL_S = 0.001
+MAX_INTERVAL_S = 3600.0
+
+#: how each LaunchConfig field is spelt on the command line, where it is not --<field-with-dashes>
+FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "rdzv_port": "--master-port/--rdzv-endpoint port",
+                 "entrypoint": "TRAINING_SCRIPT", "rdzv_host": "--rdzv-endpoint host"}
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -97,12 +116,85 @@ def parse_endpoint(value: str, default_port: int = 29400) -> tuple[str, int]:
     return host, p
 
 
-def default_log_dir() -> str:
-    """Where logs go without --log-dir; `hyperpodrun logs` looks here by default too."""
+def temp_log_base() -> str:
+    """The per-user log directory in the temp dir (`$TMPDIR/hyperpodrun-logs-<uid>`): a predictable path in a
+    directory every user can write, so it is kept ours alone (`private_log_base`)."""
+    return os.path.join(tempfile.gettempdir(), f"hyperpodrun-logs-{os.getuid()}")
+
+
+def default_log_dir(create: bool = False) -> str:
+    """Where logs go without --log-dir; `hyperpodrun logs` looks here by default too.
+
+    HYPERPODRUN_LOG_DIR / PET_LOG_DIR are the user's, like --log-dir; otherwise the per-user temp dir, which
+    `create=True` makes (or accepts) as ours alone - ConfigError when another user got there first."""
     env = os.environ.get("HYPERPODRUN_LOG_DIR") or os.environ.get("PET_LOG_DIR")
     if env:
         return env
-    return os.path.join(tempfile.gettempdir(), f"hyperpodrun-logs-{os.getuid()}")
+    return private_log_base() if create else temp_log_base()
+
+
+def private_log_base() -> str:
+    """Create `temp_log_base()` 0700, or accept it only when it is a real directory of ours that nobody else
+    can write (one of ours that is merely readable by others, from an older version, is narrowed to 0700)."""
+    from hyperpodrun import safe_fs
+    path = temp_log_base()
+    try:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        else:
+            if (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077
+                    and not st.st_mode & 0o022):
+                os.chmod(path, 0o700)
+        return safe_fs.private_dir(path)
+    except (OSError, safe_fs.UnsafePathError) as exc:
+        raise ConfigError(f"the default log directory is not safe to use: {exc}; or give --log-dir DIR")
+
+
+_WEEK = f"a finite number of seconds, more than 0 and at most {MAX_TIMEOUT_S:.0f} (one week)"
+_INTERVAL = f"a number of seconds from {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:.0f}"
+#: what each bounded field accepts, in words (the second half of its error line)
+ACCEPTS = {
+    "nnodes": f"a whole number of nodes from 1 to {MAX_NNODES}",
+    "nproc_per_node": f"a whole number of workers per node from 1 to {MAX_NPROC_PER_NODE} (or auto, gpu, cpu)",
+    "node_rank": "a whole number from 0 to --nnodes minus 1",
+    "rdzv_port": "a port from 0 to 65535",
+    "join_timeout": _WEEK,
+    "max_restarts": f"a whole number from 0 to {MAX_COUNT}",
+    "max_step_failures": f"a whole number from 1 to {MAX_COUNT}",
+    "monitor_interval": _INTERVAL,
+    "heartbeat_interval": _INTERVAL,
+    "health_interval": _INTERVAL,
+    "shutdown_timeout": f"a finite number of seconds from 0 to {MAX_TIMEOUT_S:.0f} (one week)",
+    "inprocess_timeout": _WEEK,
+    "heartbeat_timeout": _WEEK,
+    "progress_timeout": _WEEK,
+}
+
+
+def flag_of(field: str) -> str:
+    """The command-line spelling of a LaunchConfig field."""
+    return FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+
+
+def describe_validation_error(exc: ValidationError, sources: Optional[dict[str, str]] = None) -> str:
+    """A pydantic error of LaunchConfig as one line: `--flag VALUE: must be <what it accepts>`.
+
+    `sources` maps a field to the environment variable its value came from, so the line names it."""
+    parts = []
+    for err in exc.errors():
+        loc = err.get("loc") or ("",)
+        field = str(loc[0])
+        where = flag_of(field)
+        if sources and field in sources:
+            where += f" (from {sources[field]})"
+        if field in ACCEPTS:
+            parts.append(f"{where} {str(err.get('input'))!r}: must be {ACCEPTS[field]}")
+        else:
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            parts.append(f"{where}: {msg}")
+    return "; ".join(dict.fromkeys(parts))
 
 
 class LaunchConfig(BaseModel):
@@ -118,39 +210,39 @@ class LaunchConfig(BaseModel):
     run_path: bool = False
 
     # topology
-    nnodes: int = Field(1, ge=1)
-    nproc_per_node: int = Field(1, ge=1)
-    node_rank: Optional[int] = Field(0, ge=0)
+    nnodes: int = Field(1, ge=1, le=MAX_NNODES)
+    nproc_per_node: int = Field(1, ge=1, le=MAX_NPROC_PER_NODE)
+    node_rank: Optional[int] = Field(0, ge=0, lt=MAX_NNODES)
     rdzv_backend: Literal["static", "c10d"] = "static"
     rdzv_host: str = "localhost"
     rdzv_port: int = Field(0, ge=0, le=65535)
     rdzv_id: str = "none"
     rdzv_conf: dict[str, str] = Field(default_factory=dict)
-    join_timeout: float = Field(600.0, gt=0)
+    join_timeout: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     master_addr: str = "localhost"
     local_addr: Optional[str] = None
     single_node: bool = True
     role: str = "default"
 
     # supervision
-    max_restarts: int = Field(0, ge=0)
-    monitor_interval: float = Field(0.1, gt=0)
+    max_restarts: int = Field(0, ge=0, le=MAX_COUNT)
+    monitor_interval: float = Field(0.1, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S, allow_inf_nan=False)
     shutdown_signal: int = int(signal.SIGTERM)
-    shutdown_timeout: float = Field(30.0, ge=0)
+    shutdown_timeout: float = Field(30.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     signals_to_handle: list[int] = Field(
         default_factory=lambda: [int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)])
 
     # in-process restart (DESIGN §4)
     inprocess_restart: bool = False
-    inprocess_timeout: float = Field(60.0, gt=0)
-    heartbeat_interval: float = Field(1.0, gt=0)
-    heartbeat_timeout: float = Field(10.0, gt=0)
-    progress_timeout: Optional[float] = Field(None, gt=0)
-    max_step_failures: int = Field(3, ge=1)
+    inprocess_timeout: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    heartbeat_interval: float = Field(1.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S, allow_inf_nan=False)
+    heartbeat_timeout: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    progress_timeout: Optional[float] = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    max_step_failures: int = Field(3, ge=1, le=MAX_COUNT)
 
     # GPU health (agent/gpu_health.py): NVML monitor where it loads (auto), required (nvml), or off (none)
     health_check: Literal["auto", "nvml", "none"] = "auto"
-    health_interval: float = Field(5.0, gt=0)
+    health_interval: float = Field(5.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S, allow_inf_nan=False)
 
     # logs
     log_dir: str = Field(default_factory=default_log_dir)

@@ -18,6 +18,7 @@ HYPERPODRUN_HOST = "HYPERPODRUN_HOST"                  # host name used in log p
 HYPERPODRUN_HEARTBEAT_INTERVAL = "HYPERPODRUN_HEARTBEAT_INTERVAL"
 HYPERPODRUN_AGENT_PID = "HYPERPODRUN_AGENT_PID"
 HYPERPODRUN_ROOTLESS = "HYPERPODRUN_ROOTLESS"          # "1" when the agent hosts the workers' stores
+HYPERPODRUN_JOB_KEY = "HYPERPODRUN_JOB_KEY"            # hex of the workers' key, derived from the job secret
 
 # the product note's Tier-1 switches (stock PyTorch knows neither; see README "Rootless bootstrap")
 HPCT_USE_ROOTLESS = "HPCT_USE_ROOTLESS"
@@ -95,6 +96,15 @@ def worker_env(
         for key, value in INPROCESS_NCCL_DEFAULTS.items():
             env[key] = base.get(key, value)
     return env
+
+
+def hand_down_key(env: dict[str, str], secret: bytes) -> None:
+    """Give the workers (and the warm spawner) the workers' key, derived one-way from the job secret, and
+    never the secret itself (hyperpodrun/auth.py): a rank can authenticate peer copies, not sign the agents'
+    records."""
+    from hyperpodrun import auth
+    env.pop(auth.SECRET_ENV, None)
+    env[HYPERPODRUN_JOB_KEY] = auth.derive(secret, "worker").hex()
 
 
 def inprocess_env_overrides(base: Mapping[str, str]) -> list[str]:

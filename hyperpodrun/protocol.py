@@ -36,6 +36,7 @@ class Heartbeat(_Msg):
     state: str = "running"             # running | recovering | waiting | done
     device_uuid: Optional[str] = None  # the rank's CUDA device, once CUDA is initialised (NVML monitor's map)
     pci_bus_id: Optional[str] = None
+    stack: Optional[str] = None        # during a restart: where the main thread is (for a READY timeout report)
 
 
 class Fault(_Msg):

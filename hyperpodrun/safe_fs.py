@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import BinaryIO
 
 from hyperpodrun.errors import HyperpodrunError
 
@@ -82,3 +83,41 @@ def open_private(path: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 
         os.close(fd)
         raise
     return fd
+
+
+def owned_dir(path: str, mode: int = 0o755) -> str:
+    """Create `path` (one level; `mode` less the umask), or accept an existing one only if it is a real
+    directory of ours that neither group nor others can write. For directories below one the user chose
+    (e.g. a run directory under --log-dir): readable by others as the user's umask says, but never one
+    another user created or could put a symlink into."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        _check_dir(path, st)   # raises with the reason
+    if st.st_mode & 0o022:
+        raise UnsafePathError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users could put files or "
+                              f"symlinks there. Fix: chmod go-w {path} (after checking its contents), or remove it")
+    return path
+
+
+def owned_tree(base: str, *parts: str, mode: int = 0o755) -> str:
+    """`owned_dir` for each level of `parts` below `base` (which is not checked); returns the deepest path."""
+    path = base
+    for part in parts:
+        if not part or part in (".", "..") or os.sep in part:
+            raise UnsafePathError(f"{part!r} is not a plain directory name")
+        path = owned_dir(os.path.join(path, part), mode)
+    return path
+
+
+def open_append(path: str, mode: int = 0o600) -> int:
+    """A log file opened for appending (created with `mode`), never through a symlink."""
+    return open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+
+
+def append_file(path: str) -> BinaryIO:
+    """`open_append` as an unbuffered binary file object (a worker's stdout/stderr log)."""
+    return os.fdopen(open_append(path), "ab", buffering=0)

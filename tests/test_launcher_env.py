@@ -23,6 +23,7 @@ DOCUMENTED_OURS = {
     "HYPERPODRUN_HEARTBEAT_INTERVAL": "seconds between heartbeats (in-process restart)",
     "HYPERPODRUN_AGENT_PID": "pid of the hyperpodrun agent",
     "HYPERPODRUN_ROOTLESS": "'1': the workers' store is hosted by the agent, a fresh one per generation",
+    "HYPERPODRUN_JOB_KEY": "hex of the workers' key (derived from the job secret): authenticates peer copies",
     "PYTHONUNBUFFERED": "'1' unless the user set it, so worker lines reach the per-rank files at once",
 }
 
@@ -31,6 +32,16 @@ VARYING = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 # hyperpodrun follows torchrun 2.13, whose MASTER_ADDR rule for one node differs from older torchruns'
 if not version("torch").startswith("2.13."):
     VARYING.add("MASTER_ADDR")
+
+
+def _single_node_master(theirs: str) -> str:
+    """Our MASTER_ADDR on one node, given torchrun's: the workers' store listens on loopback only (README,
+    Security), so a name that does not resolve to one loopback address here becomes 127.0.0.1."""
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(theirs, None, socket.AF_INET)}
+    except OSError:
+        addrs = set()
+    return theirs if len(addrs) == 1 and next(iter(addrs)).startswith("127.") else "127.0.0.1"
 
 
 def _envs(directory):
@@ -75,7 +86,9 @@ def test_worker_env_matches_torchrun(launcher, tmp_path, form):
         assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"} <= torchrun_vars
         missing = sorted(set(t) - set(o))
         assert not missing, f"rank {rank}: torchrun sets {missing}, hyperpodrun does not"
-        different = {k: (o[k], t[k]) for k in sorted(set(t) - VARYING) if o[k] != t[k]}
+        if "MASTER_ADDR" not in VARYING:
+            assert o["MASTER_ADDR"] == _single_node_master(t["MASTER_ADDR"]), (o["MASTER_ADDR"], t["MASTER_ADDR"])
+        different = {k: (o[k], t[k]) for k in sorted(set(t) - VARYING - {"MASTER_ADDR"}) if o[k] != t[k]}
         assert not different, f"rank {rank}: values differ from torchrun's (ours, torchrun's): {different}"
         assert o["OMP_NUM_THREADS"] == t["OMP_NUM_THREADS"] == "1"
         # the varying ones still have torchrun's form

@@ -235,3 +235,95 @@ def test_sigterm_as_pid1_of_a_container(launcher, tmp_path, out_dir):
     assert res.rc == 143, res
     assert count_files(out_dir, "term_0_*") == 2, "SIGTERM not forwarded to the workers"
     assert not launcher.leftovers(), describe_pids(launcher.leftovers())
+
+
+# ------------------------------------------------------------------------------------------ root cause
+_PEER_ABORTS_FIRST = r'''
+import os, sys, time
+rank, out = int(os.environ["RANK"]), sys.argv[1]
+
+def wait_for(pred, what):
+    end = time.monotonic() + 30
+    while not pred():
+        if time.monotonic() > end:
+            sys.exit(f"rank {rank}: timed out waiting for {what}")
+        time.sleep(0.005)
+
+def state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None   # reaped
+
+open(os.path.join(out, f"pid_{rank}"), "w").write(str(os.getpid()))
+if rank == 0:
+    # sees its peer's connection close, says so on stderr and aborts, as gloo's teardown does
+    wait_for(lambda: os.path.exists(os.path.join(out, "closing")), "rank 1 closing")
+    print("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242",
+          file=sys.stderr, flush=True)
+    os.abort()
+else:
+    # the real failure: its exit comes only after the peer's abort has been reaped by the agent
+    wait_for(lambda: os.path.exists(os.path.join(out, "pid_0")), "rank 0's pid")
+    peer = int(open(os.path.join(out, "pid_0")).read())
+    open(os.path.join(out, "closing"), "w").close()
+    print("rank 1 failing for real with code 3", file=sys.stderr, flush=True)
+    wait_for(lambda: state(peer) is None, "rank 0 reaped")
+    sys.exit(3)
+'''
+
+
+def test_first_real_failure_is_named_when_a_peer_aborts_first(launcher, tmp_path, out_dir):
+    """Rank 1 fails (exit code 3), its peer dies of SIGABRT with "Connection closed by peer" on stderr, and
+    the peer's exit is reaped before rank 1's: the fault, the failure summary and the exit code are rank 1's."""
+    path = write_script(tmp_path, "peer_aborts_first.py", _PEER_ABORTS_FIRST)
+    res = launcher.run(["--nproc-per-node", "2", "--max-restarts", "0", "--shutdown-timeout", "5", path, out_dir],
+                       timeout=60)
+    events = read_events(launcher.log_dir)
+    exits = [(e["rank"], e["exit_code"]) for e in events if e["event"] == "worker_exit"]
+    assert exits[:1] == [(0, -signal.SIGABRT)], f"the race did not happen as staged: {exits}\n{res}"
+    faults = [e for e in events if e["event"] == "fault"]
+    assert [(f["rank"], f["exit_code"]) for f in faults] == [(1, 3)], faults
+    assert exits == [(0, -signal.SIGABRT), (1, 3)], exits
+    assert "rank 0 SIGABRT" in faults[0]["msg"], faults[0]
+    assert res.rc == 3, res
+    failed = [e for e in events if e["event"] == "job_failed"]
+    assert failed and failed[0]["msg"].startswith("rank 1 "), failed
+
+
+def test_a_lone_symptom_is_still_the_cause_after_the_grace(launcher, tmp_path, out_dir):
+    """A rank that aborts with a peer-failure symptom while no other rank fails: after the short grace
+    (HYPERPODRUN_EXIT_GRACE_S) it is the cause, and the job restarts."""
+    path = write_script(tmp_path, "lone_symptom.py", """
+        import os, sys
+        gen = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if gen == 0 and os.environ["RANK"] == "1":
+            print("RuntimeError: Connection reset by peer", file=sys.stderr, flush=True)
+            os.abort()
+    """)
+    res = launcher.run(["--nproc-per-node", "2", "--max-restarts", "1", path], timeout=60,
+                       env={"HYPERPODRUN_EXIT_GRACE_S": "0.5"})
+    assert res.rc == 0, res
+    events = read_events(launcher.log_dir)
+    faults = [e for e in events if e["event"] == "fault"]
+    assert [(f["rank"], f["exit_code"]) for f in faults] == [(1, 128 + signal.SIGABRT)], faults
+    waited = faults[0]["ts"] - next(e["ts"] for e in events if e["event"] == "worker_exit" and e["rank"] == 1)
+    assert 0.4 <= waited < 5, f"the cause waited {waited:.2f}s for a real failure (grace 0.5 s)"
+
+
+def test_cause_window_prefers_the_first_real_failure():
+    """Unit: a symptom waits for a real failure (which ends the wait at once), else it is the cause."""
+    from hyperpodrun.agent.report import CauseWindow, exit_is_symptom
+    window = CauseWindow(2.0)
+    assert window.add({"rank": 0, "cause": "SIGABRT (6)", "symptom": True}, now=0.0) is None and window.open
+    assert window.due(1.9) is None
+    cause = window.add({"rank": 1, "cause": "exit code 3", "symptom": False}, now=1.0)
+    assert cause is not None and cause["rank"] == 1 and cause["folded"] == ["rank 0 SIGABRT (6)"]
+    assert not window.open
+    assert window.add({"rank": 2, "cause": "exit code 1", "symptom": True}, now=5.0) is None
+    assert window.due(7.0)["rank"] == 2
+    assert CauseWindow(0).add({"rank": 3, "symptom": True}, now=0.0)["rank"] == 3   # no grace: at once
+    assert exit_is_symptom(1, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    assert not exit_is_symptom(3, "ValueError: the real bug")
+    assert exit_is_symptom(-signal.SIGABRT, None) and not exit_is_symptom(-signal.SIGSEGV, None)

@@ -143,8 +143,9 @@ def test_datamodule_is_a_lightning_datamodule_when_the_wrapped_one_is():
 
 # ------------------------------------------------------------------------------------------ housekeeping
 def _run_dir(cache, name, pid, start_time):
+    cache.mkdir(mode=0o700, exist_ok=True)     # cache_dir must be this user's alone (0700)
     path = cache / name
-    path.mkdir(parents=True)
+    path.mkdir(mode=0o700)
     (path / "owner.json").write_text(json.dumps({"pid": pid, "start_time": start_time, "run_id": name}))
     (path / "alive.lock").touch()
     (path / "train.rank0").mkdir()

@@ -259,11 +259,10 @@ print("stats", mm.stats, flush=True)
 def test_consumer_waits_no_longer_than_wait_timeout_for_a_stuck_producer(tmp_path):
     # another process holds the producer role of this group and never writes
     mm = MMAPDataLoader(sampler_loader(Counting()), config(tmp_path, wait_timeout=0.5, share_key="g"))
-    os.makedirs(tmp_path / "cache", exist_ok=True)
     from hyperpodrun.data import housekeeping
     run = housekeeping.open_run(str(tmp_path / "cache"))
     group = os.path.join(run.path, "train.share-g")
-    os.makedirs(group, exist_ok=True)
+    os.makedirs(group, mode=0o700, exist_ok=True)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
         "fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"),

@@ -15,13 +15,17 @@ from hyperpodrun.data.errors import MMAPConfigError
 #: resume policies (see CacheResumeMMAPConfig.resume)
 RESUME_POLICIES = ("auto", "replay", "never")
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: most batches a producer reads ahead: each is a file (and memory) in the cache directory
+MAX_PREFETCH_LENGTH = 4096
 
 
-def _int(name: str, value: Any, minimum: int, fix: str) -> None:
+def _int(name: str, value: Any, minimum: int, fix: str, maximum: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise MMAPConfigError(f"CacheResumeMMAPConfig({name}={value!r}): must be an integer; {fix}")
     if value < minimum:
         raise MMAPConfigError(f"CacheResumeMMAPConfig({name}={value!r}): must be >= {minimum}; {fix}")
+    if maximum is not None and value > maximum:
+        raise MMAPConfigError(f"CacheResumeMMAPConfig({name}={value!r}): must be <= {maximum}; {fix}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ class CacheResumeMMAPConfig:
                                   "e.g. '/dev/shm/pdl_cache' (a tmpfs)")
         object.__setattr__(self, "cache_dir", os.path.abspath(os.path.expanduser(str(self.cache_dir))))
         _int("prefetch_length", self.prefetch_length, 1,
-             "it counts the batches read ahead, the current one included (the product note uses 10)")
+             "it counts the batches read ahead, the current one included (the product note uses 10)",
+             maximum=MAX_PREFETCH_LENGTH)
         _int("lookback_length", self.lookback_length, 0,
              "it counts the batches kept behind the current step (2 covers a restored step one step back)")
         if self.share_key is not None and (not isinstance(self.share_key, str) or not _KEY.match(self.share_key)):

@@ -116,11 +116,15 @@ class MMAPDataModule:
             self._train.close()
 
     def _fit_finished(self) -> bool:
+        """Whether fit ended normally (max_steps / max_epochs reached, or stopped by a callback).
+
+        Lightning calls the teardown hook before it sets the status to "finished" (it is still "running"
+        then), and after an exception only with the status "interrupted"."""
         trainer = self.__dict__.get("trainer")   # set by Lightning on the module given to fit()
         status = getattr(getattr(trainer, "state", None), "status", None)
         if status is None:
             return True
-        return str(getattr(status, "value", status)) == "finished"
+        return str(getattr(status, "value", status)) in ("running", "finished")
 
 
 def _delegate(name: str) -> Any:

@@ -25,6 +25,7 @@ import time
 from typing import Any, Optional
 
 from hyperpodrun.data import storage
+from hyperpodrun.safe_fs import open_private, private_dir
 
 log = logging.getLogger("hyperpodrun.data")
 
@@ -33,6 +34,15 @@ END_MARKER = "END"
 #: how often a group re-lists its consumers' position files
 POSITIONS_RESCAN_S = 0.1
 DEGRADED_MARKER = "DEGRADED"
+
+
+def _read_small(path: str) -> str:
+    """A marker file's text (never through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def batch_name(step: int) -> str:
@@ -53,7 +63,7 @@ class Group:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        private_dir(path)
         self.cond = threading.Condition()          # producer <-> consumers of this process
         self.commit_lock = threading.Lock()        # fences a replaced producer's last commit
         self.producer: Any = None                  # the Producer thread of this process, if it owns the group
@@ -76,7 +86,7 @@ class Group:
         """Take the producer role if no live process has it (non-blocking)."""
         if self._lock_fd is not None:
             return True
-        fd = os.open(os.path.join(self.path, "producer.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_private(os.path.join(self.path, "producer.lock"), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -97,7 +107,7 @@ class Group:
             return
         fd = self._pos_fds.get(rank)
         if fd is None:
-            fd = os.open(os.path.join(self.path, f"pos.{rank}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_private(os.path.join(self.path, f"pos.{rank}"), os.O_RDWR | os.O_CREAT)
             self._pos_fds[rank] = fd
         os.pwrite(fd, _POS.pack(value), 0)
         self._pos_values[rank] = value
@@ -124,7 +134,7 @@ class Group:
                     continue
                 if rank not in self._read_fds:
                     try:
-                        self._read_fds[rank] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                        self._read_fds[rank] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                     except OSError:
                         continue
         out = {}
@@ -168,7 +178,7 @@ class Group:
 
     def _write_marker(self, name: str, text: str) -> None:
         tmp = os.path.join(self.path, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "w") as fh:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as fh:
             fh.write(text)
         os.replace(tmp, os.path.join(self.path, name))
 
@@ -177,8 +187,7 @@ class Group:
 
     def end_step(self) -> Optional[int]:
         try:
-            with open(os.path.join(self.path, END_MARKER)) as fh:
-                return int(fh.read().strip())
+            return int(_read_small(os.path.join(self.path, END_MARKER)).strip())
         except (OSError, ValueError):
             return None
 
@@ -196,8 +205,7 @@ class Group:
         if self.degraded_reason is not None:
             return self.degraded_reason
         try:
-            with open(os.path.join(self.path, DEGRADED_MARKER)) as fh:
-                self.degraded_reason = fh.read() or "degraded"
+            self.degraded_reason = _read_small(os.path.join(self.path, DEGRADED_MARKER)) or "degraded"
         except OSError:
             return None
         return self.degraded_reason

@@ -6,13 +6,15 @@ drops references to the failed frames.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -25,53 +27,95 @@ class Abort:
 
 
 _PARKED: list = []            # process groups of ended generations (see park_process_groups)
-_FAILED: list = []            # those of them parked by an abort (a collective may still be pending)
 _ENTRY_SOCKETS: set[str] = set()
+_RELEASER: Optional[threading.Thread] = None
+_RELEASE_JOIN_S = 10.0        # how long the end of the job waits for groups still being destructed
+_EXIT_JOIN_S = 5.0            # the same at interpreter exit on any other path
 
 
-def park_process_groups(failed: bool = False) -> None:
+def park_process_groups() -> None:
     """Keep a reference to every current process group so none is destructed in the main thread.
 
-    ~ProcessGroupGloo joins gloo's worker thread while holding the GIL; if that thread is finishing a work
-    that holds a Python object it waits for the GIL: a deadlock (seen with DDP). Parked groups are released
-    by `release_parked()` once their threads are idle (at the next generation's start, or at the end).
+    ~ProcessGroupGloo waits for its worker threads; a thread still inside a collective of a failed generation
+    keeps it waiting (up to the collective's timeout), and a destructor run by the main thread while a gloo
+    thread finishes a work that holds a Python object can deadlock on the GIL (seen with DDP). Parked groups
+    are released by `release_parked()`, off the main thread.
     """
     try:
         import torch.distributed as dist
         world = getattr(dist.distributed_c10d, "_world", None)
         if world is not None:
             for pg in list(getattr(world, "pg_map", {}).keys()):
-                if pg not in _PARKED:
+                if not any(pg is p for p in _PARKED):
                     _PARKED.append(pg)
-                if failed and pg not in _FAILED:
-                    _FAILED.append(pg)
     except Exception:
         pass
 
 
-def _backend_name(pg: Any) -> str:
-    try:
-        return str(pg._get_backend_name()).lower()
-    except Exception:
-        return ""
+def parked_count() -> int:
+    """Process groups parked and not yet handed to the releaser (for tests and diagnostics)."""
+    return len(_PARKED)
 
 
-def release_parked() -> None:
-    """Drop the parked groups - except the gloo groups of a failed generation, which are never destructed.
+def release_parked(wait: bool = False, timeout: float = _RELEASE_JOIN_S) -> None:
+    """Destruct the parked process groups (their threads, sockets, pipes and epoll descriptors) in a
+    background thread; with `wait`, also wait (up to `timeout` s) until every group handed over so far is gone.
 
-    A collective left pending by the restart keeps gloo's worker thread waiting until the collective's
-    timeout; ~ProcessGroupGloo would wait for it, and an error thrown from that teardown aborts the process
-    (seen: SIGABRT 20 s after a restart, long after the job had recovered). Their connections are already
-    shut down; keeping them costs a few idle threads per restart, and the process exits without running
-    their destructors.
+    HPWrapper calls it at the start of each generation after the first: by then every rank of the job has
+    aborted the failed generation (GO waits for every READY), so each connection of the parked groups has
+    been shut down at both ends and no collective of theirs can still wait for a peer; their worker threads
+    are idle and the destructors return at once. The thread is there for the exception - a group whose
+    sockets were not shut down (one created before the wrapped function) with a collective still pending:
+    its destructor then waits for that collective's timeout, and nobody waits for it but the releaser. The
+    destructors run without the GIL (torch releases it), so the main thread is never held up. Destruction is
+    the only release: torch 2.13's ProcessGroup.abort() and shutdown() do nothing for gloo (the group keeps
+    its threads and still runs collectives after them).
+
+    At the end of the job (`wait=True`, before the wrapped function's result is returned) no gloo thread
+    may outlive the interpreter: one that drops its last reference to a tensor while Python finalizes
+    aborts the process ("terminate called without an active exception").
     """
-    import ctypes
-    for pg in _FAILED:
-        if _backend_name(pg) == "gloo":
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))   # never destructed, not even at exit
-    _FAILED.clear()
+    global _RELEASER
+    groups = list(_PARKED)
     _PARKED.clear()
-    gc.collect()
+    previous = _RELEASER
+    if groups:
+        def run() -> None:
+            if previous is not None:
+                previous.join()        # one group at a time, in the order they were parked
+            nonlocal groups
+            shared = False
+            while groups:
+                shared |= sys.getrefcount(groups[0]) > 2   # also held elsewhere (a cycle): collect below
+                groups.pop(0)          # the last reference: ~ProcessGroup runs here, without the GIL
+            if shared:
+                gc.collect()
+        _RELEASER = threading.Thread(target=run, name="hyperpodrun-pg-release", daemon=True)
+        _RELEASER.start()
+    if wait:
+        join_releaser(timeout)
+
+
+def join_releaser(timeout: float) -> bool:
+    """Wait until every parked group handed to the releaser is destructed; False when still busy."""
+    t = _RELEASER
+    if t is None:
+        return True
+    t.join(timeout)
+    if t.is_alive():
+        log.warning("process groups of earlier generations still being destructed after %gs (a collective "
+                    "pending in a group created before the wrapped function?)", timeout)
+        return False
+    return True
+
+
+def _release_at_exit() -> None:
+    """Any exit (a stopped job too): the parked groups go while the interpreter can still run their threads'
+    last release of a tensor (after this, such a release aborts the process)."""
+    release_parked(wait=True, timeout=_EXIT_JOIN_S)
+
+
+atexit.register(_release_at_exit)
 
 
 def _inet_sockets() -> dict[int, str]:
@@ -133,7 +177,7 @@ class AbortProcessGroups(Abort):
     unblock a collective in flight (verified); what does is the peer's connections going down - so the
     connected TCP sockets the generation opened are shut down (peers blocked in a collective with us fail
     within milliseconds). The groups are removed from torch's registry, so `init_process_group()` works
-    again, but parked rather than destructed (see park_process_groups).
+    again, but parked rather than destructed here (see park_process_groups, release_parked).
     """
 
     def __call__(self) -> None:
@@ -148,7 +192,7 @@ class AbortProcessGroups(Abort):
             backend = str(dist.get_backend()).lower()
         except Exception:
             pass
-        park_process_groups(failed=True)
+        park_process_groups()
         if "nccl" in backend:
             abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort_pg is not None:

@@ -1,6 +1,6 @@
 """CheckpointManager: per-step state snapshots that survive the process, restored at the committed step.
 
-    cm = CheckpointManager(enable_checksum=True)
+    cm = CheckpointManager()
 
     @HPWrapper(checkpoint_manager=cm)
     def main(caller=None):
@@ -22,26 +22,34 @@ memory, or from the disk fallback - loads it (DTensor shards, ZeRO shards, DDP's
 included) and sets the RNG before any data iterator draws seeds. If some rank's state survives nowhere,
 `StateLostError` ends the job with exit code 75 - never a silent restart from step 0.
 
-Not here yet (see README): copies of a slot to a peer on another node (a lost node loses the snapshots
-of ranks that have no replica elsewhere).
+Files (shm_runs.py): `<shm>/hyperpodrun-<uid>/<run id>.<owner pid>/rank<r>/slot{0,1}`, directories 0700
+and files 0600 created with safe_fs (a directory another user created first fails the job with
+UnsafePathError; nothing is read from it). Every slot carries a checksum; its metadata is in the
+safe_codec encoding (reading a slot runs no code). `close(success=True)` removes this rank's slots (the
+last process of the run removes the run directory); stale runs (owner gone) are removed at start.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import operator
 import os
+import shutil
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
+from hyperpodrun import env as E
 from hyperpodrun.errors import EXIT_STATE_LOST
-from hyperpodrun.runtime import replicas
+from hyperpodrun.runtime import replicas, shm_runs
 from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
+from hyperpodrun.runtime.safe_codec import UnsupportedStateError
 from hyperpodrun.runtime.snapshot_io import SnapshotCorrupt
 from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
-                                             rng_state, set_rng_state, state_dict_of, tensors_in)
+                                             rng_state, saved_where, set_rng_state, state_dict_of, tensors_in)
+from hyperpodrun.safe_fs import private_dir
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -62,7 +70,8 @@ class StateLostError(RuntimeError):
 class CheckpointManager:
     """Snapshots of each rank's training state in memory that outlives the process.
 
-    enable_checksum: store a CRC32 with every slot and refuse a slot that does not match.
+    enable_checksum: accepted for compatibility; every slot carries a checksum (CRC32) and a slot that does
+        not match is never restored, whatever this says.
     enable_offload: take the copy of parameters and optimizer state off the training step: `save`
         returns at once, the copy (by DMA on a side CUDA stream for device tensors) runs while the next
         forward/backward runs, and the next optimizer step waits for it. A fault before the copy
@@ -109,6 +118,7 @@ class CheckpointManager:
         self.last_saved: Optional[int] = None
         self.peer_copy = peer_copy
         self._peers: Optional[PeerCopies] = None
+        self._exit_hook = False
 
     # ------------------------------------------------------------------ wiring
     def _attach(self, caller: Any, session: Any) -> None:
@@ -118,6 +128,7 @@ class CheckpointManager:
         world = int(os.environ.get("WORLD_SIZE", 1))
         peer = peer_of(self.rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if peer is not None and self.peer_copy is not False and session is not None:
+            self._ensure_dir()          # the receiver keeps copies under the run directory
             if self._peers is None:
                 self._peers = PeerCopies(os.path.dirname(self.slot_dir()), self.rank)
             self._peers.serve(caller.store, os.environ.get("MASTER_ADDR", "127.0.0.1"))
@@ -128,8 +139,44 @@ class CheckpointManager:
         return int(os.environ.get("RANK", 0))
 
     def slot_dir(self, rank: Optional[int] = None) -> str:
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-        return os.path.join(self.shm_dir, f"hyperpodrun-{os.getuid()}", run, f"rank{self.rank if rank is None else rank}")
+        """This run's slot directory of `rank` (default: this rank) on this node."""
+        return os.path.join(shm_runs.checkpoint_base(self.shm_dir), shm_runs.run_dir_name(),
+                            f"rank{self.rank if rank is None else rank}")
+
+    def _ensure_dir(self) -> str:
+        """Create (or join) the run directory and this rank's slot directory, ours alone (safe_fs); the
+        first time in a process, other runs' stale directories are removed. Raises UnsafePathError."""
+        d = self.slot_dir()
+        shm_runs.open_run(os.path.dirname(os.path.dirname(d)), what="snapshots")
+        private_dir(d)
+        if not self._exit_hook and not _launched():   # a plain `python train.py`: nothing restarts it
+            atexit.register(self.close, True)
+            self._exit_hook = True
+        return d
+
+    def close(self, success: bool = True) -> None:
+        """This rank is done: wait for the snapshot in flight and unmap the slots; with `success` (the job
+        completed: HPWrapper calls this once every rank finished) remove this rank's slots, and the run
+        directory (peer copies included) when no other process of the run uses it any more."""
+        self.wait()
+        for slot in self._files.values():
+            slot.close()
+        self._files.clear()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        d = self.slot_dir()
+        try:
+            if success:
+                shutil.rmtree(d, ignore_errors=True)
+            run = shm_runs.open_runs().get(os.path.dirname(d))
+            if run is not None:
+                run.release(remove=lambda _path: success)
+        except OSError as exc:
+            log.warning("snapshots in %s not removed: %s", d, exc)
+        else:
+            if success:
+                log.info("snapshots of rank %d removed (%s)", self.rank, d)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any]) -> None:
@@ -168,9 +215,11 @@ class CheckpointManager:
                     stable.update(local_ptr(p) for p in obj.parameters())
             else:
                 payload["state"][name] = ("value", obj)
-        staged = io.plan(step, payload, stable, self.enable_offload)
-        d = self.slot_dir()
-        os.makedirs(d, exist_ok=True)
+        try:
+            staged = io.plan(step, payload, stable, self.enable_offload)
+        except UnsupportedStateError as exc:
+            raise saved_where(exc, payload) from None
+        d = self._ensure_dir()
         path = os.path.join(d, f"slot{step % 2}")
         slot = self._files.setdefault(path, io.SlotFile(path))
         view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
@@ -182,10 +231,14 @@ class CheckpointManager:
         def no_restart_since() -> bool:
             return getattr(session, "restart_seen", -1) <= generation
 
-        def finish() -> None:
-            if not io.complete(view, staged, self.enable_checksum, no_restart_since):
-                log.info("snapshot of step %d dropped: a restart was requested before it was complete", step)
-                return
+        def copied() -> bool:
+            if io.finish_copies(view, staged, no_restart_since):
+                return True
+            log.info("snapshot of step %d dropped: a restart was requested before it was complete", step)
+            return False
+
+        def sealed() -> None:
+            io.seal(view, staged)
             self.last_saved = step
             if self._peers is not None:
                 self._peers.send(step, path)
@@ -193,32 +246,27 @@ class CheckpointManager:
                 self._write_fallback(step, path)
         if self.enable_offload:
             self._install_step_barrier()
-            self._writer.start(finish)
-        else:
-            finish()
+            self._writer.start(copied, sealed)
+        elif copied():
+            sealed()
 
     def _install_step_barrier(self) -> None:
-        """The optimizer step changes what an offloaded snapshot copies: it waits for the copy first."""
+        """The optimizer step changes what an offloaded snapshot copies: it waits for the copy first (not for
+        the checksum, which reads the slot and may overlap the step)."""
         if self._hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
-            self._hook = register_optimizer_step_pre_hook(lambda *_a: self._writer.wait())
+            self._hook = register_optimizer_step_pre_hook(lambda *_a: self._writer.wait_copied())
 
     def _write_fallback(self, step: int, slot: str) -> None:
         if self._fallback is not None:
             self._fallback.join()   # one write in flight at a time; a slow disk slows saving, never corrupts
-        with open(slot, "rb") as fh:   # a private copy: the slot is rewritten two saves later
-            blob = bytes(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+        blob = bytes(self._map(slot))   # a private copy: the slot is rewritten two saves later
 
         def write() -> None:
             d = os.path.join(self.fallback_dir or ".", f"rank{self.rank}")
             try:
-                os.makedirs(d, exist_ok=True)
-                path = os.path.join(d, f"step{step:012d}.snap")
-                with open(path + ".tmp", "wb") as fh:
-                    fh.write(blob)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(path + ".tmp", path)
+                os.makedirs(d, mode=0o700, exist_ok=True)
+                io.write_atomic(os.path.join(d, f"step{step:012d}.snap"), blob, durable=True)
                 for old in sorted(f for f in os.listdir(d) if f.endswith(".snap"))[:-2]:
                     os.unlink(os.path.join(d, old))
             except OSError as exc:
@@ -229,9 +277,12 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restore
     @staticmethod
     def _map(path: str) -> Any:
-        """A private (copy-on-write) mapping of a slot or fallback file."""
-        with open(path, "rb") as fh:
-            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        """A private (copy-on-write) mapping of a slot or fallback file, never opened through a symlink."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
 
     def _candidates(self, directory: str) -> dict[int, str]:
         """step -> path of every complete, intact snapshot in `directory` (bad ones are skipped, loudly)."""
@@ -267,7 +318,7 @@ class CheckpointManager:
         import torch.distributed as dist
         _check_state(state, "restore")
         self.wait()
-        shm = self._candidates(self.slot_dir())
+        shm = self._candidates(self._ensure_dir())
         disk = self._candidates(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
         mine = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
@@ -311,10 +362,11 @@ class CheckpointManager:
             if received is not None:
                 data = bytearray(received)
                 self._keep(step, received)
+        verified = data is None        # our own slot or fallback file: _candidates checked it just now
         if data is None:
             data = self._map(shm.get(step) or disk[step])
         try:
-            _, payload = io.decode(data, f"snapshot of step {step}", copy=False)   # _load copies
+            _, payload = io.decode(data, f"snapshot of step {step}", verify=not verified, copy=False)  # _load copies
         except SnapshotCorrupt as exc:
             raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") from exc
         self._load(payload, state)
@@ -330,15 +382,11 @@ class CheckpointManager:
 
     def _keep(self, step: int, blob: bytes) -> None:
         """Store a snapshot received from a peer as this rank's own slot, so it is held in memory again."""
-        d = self.slot_dir()
-        os.makedirs(d, exist_ok=True)
-        path = os.path.join(d, f"slot{step % 2}")
+        path = os.path.join(self._ensure_dir(), f"slot{step % 2}")
         stale = self._files.pop(path, None)
         if stale is not None:
             stale.close()
-        with open(path + ".tmp", "wb") as fh:
-            fh.write(blob)
-        os.replace(path + ".tmp", path)
+        io.write_atomic(path, blob)
 
     def _load(self, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         import torch
@@ -364,4 +412,9 @@ class CheckpointManager:
             self._fallback.join()
 
 
-__all__ = ["CheckpointManager", "StateLostError", "SnapshotCorrupt"]
+def _launched() -> bool:
+    """Whether a launcher (hyperpodrun, torchrun) started this process, and may start it again."""
+    return E.HYPERPODRUN_RUN_DIR in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+__all__ = ["CheckpointManager", "StateLostError", "SnapshotCorrupt", "UnsupportedStateError"]

@@ -44,6 +44,8 @@ class ControlClient:
         self._ctx = zmq.Context()
         self._main = self._socket("m")
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()   # close() wakes the monitor thread's poll at once
+        os.set_blocking(self._wake_w, False)
         self._disabled = False
         self.inbox: "queue.Queue[P._Msg]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hyperpodrun-monitor", daemon=True)
@@ -78,6 +80,7 @@ class ControlClient:
         sock.send(P.encode(self._hello))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_beat = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
@@ -108,12 +111,26 @@ class ControlClient:
         """In a forked child: never touch the parent's sockets or context."""
         self._disabled = True
         self._stop.set()
+        for fd in (self._wake_r, self._wake_w):   # this process's copies only
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self._disabled or os.getpid() != self.pid:
             return
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
         if self._thread.is_alive():
             self._thread.join(timeout=2)
         self._main.close(linger=200)
         self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -3,57 +3,50 @@
 Why this format: a snapshot is taken after every optimizer step, so its cost is the cost of copying the
 state once. Tensors are therefore copied straight into a memory-mapped slot file (for GPU tensors by DMA
 into the mapping, registered with CUDA as pinned memory) - no serialisation pass, no second copy.
-Everything that is not a tensor (the structure of the state dicts, hyper-parameters, RNG states) is
-pickled into a small metadata block.
+Everything that is not a tensor (the structure of the state dicts, hyper-parameters, RNG states) goes
+into a small metadata block in the safe_codec encoding: reading a slot never runs code named by its
+bytes (no pickle), whoever wrote them.
 
 With `defer`, the large tensors that only the optimizer step changes (parameters, optimizer state) are
 copied later: GPU tensors on a side CUDA stream, host tensors by the writer thread; forward and backward
 of the next step overlap the copy, and the optimizer step waits for it (see CheckpointManager).
 
-Layout: a 64-byte header (magic, step, CRC32 of everything after the header, checksum flag, complete
-flag, metadata length, data length), the metadata block, then the tensor data (64-byte aligned). The
-header is marked incomplete before a slot is rewritten and complete after everything else is written,
-so a process that dies mid-write leaves a slot that is ignored; the other slot stays valid.
+Layout: a 64-byte header (magic, step, checksum, complete flag, metadata length, data length, checksum
+chunk size), the metadata block, then the tensor data (64-byte aligned). The header is marked incomplete
+before a slot is rewritten and complete after everything else is written, so a process that dies
+mid-write leaves a slot that is ignored; the other slot stays valid.
+
+Integrity: every slot carries a checksum, always (no flag says otherwise): CRC32 of the header's fields,
+the metadata and the CRC32s of the data region's 16 MiB chunks, summed by several threads while the
+copy runs (slot_checksum.py). A slot whose checksum does not match is never restored.
 """
 from __future__ import annotations
 
 import logging
 import mmap
 import os
-import pickle
 import struct
 import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hyperpodrun.runtime import safe_codec
+from hyperpodrun.runtime.safe_codec import CodecError, TensorRef
+from hyperpodrun.runtime.slot_checksum import CHUNK, ChunkSums, chunk_crcs
+from hyperpodrun.safe_fs import open_private
+
 log = logging.getLogger("hyperpodrun.runtime")
 
-MAGIC = b"HPRSNAP2"
-HEADER = struct.Struct("<8sqIBBQQ")     # magic, step, crc, checksum flag, complete flag, meta len, data len
+MAGIC = b"HPRSNAP3"
+HEADER = struct.Struct("<8sqIBxxxQQI")  # magic, step, crc, complete flag, meta len, data len, chunk size
+_SUMMED = struct.Struct("<qQQI")        # the header fields the checksum covers
 HEADER_LEN = 64
 ALIGN = 64
 
 
 class SnapshotCorrupt(ValueError):
-    """A snapshot is incomplete or failed its checksum: it is ignored."""
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where a tensor's bytes sit in the data region."""
-
-    offset: int
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def _rebuild(like: Any, items: list) -> Any:
-    """A list or tuple of the same type as `like` (namedtuples take their fields positionally)."""
-    if isinstance(like, tuple) and hasattr(like, "_fields"):
-        return type(like)(*items)
-    return type(like)(items)
+    """A snapshot is incomplete, failed its checksum or holds malformed metadata: it is ignored."""
 
 
 def _local(t: Any) -> Any:
@@ -69,29 +62,30 @@ class Staged:
     tensors: list[tuple[Any, TensorRef, bool]] = field(default_factory=list)   # (source, ref, deferred)
     cuda_event: Any = None
     data_len: int = 0
+    sums: Optional[ChunkSums] = None       # the data chunks' CRC32s, summed as the copies complete
+    copied: int = 0                        # tensors[:copied] are in the slot (a prefix: see _copied)
+    done: set[int] = field(default_factory=set)
 
 
 def plan(step: int, payload: Any, stable: set[int], defer: bool) -> Staged:
-    """Replace every tensor of `payload` by a TensorRef and pickle the result (the metadata)."""
+    """Encode `payload` with every tensor replaced by a TensorRef into the data region (the metadata).
+
+    Raises safe_codec.UnsupportedStateError (a TypeError) for a value snapshots cannot hold."""
     import torch
     staged = Staged(step=step)
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            local = _local(obj).detach()
-            if not local.is_contiguous():
-                local = local.contiguous()
-            nbytes = local.numel() * local.element_size()
-            ref = TensorRef(staged.data_len, str(local.dtype).removeprefix("torch."), tuple(local.shape), nbytes)
-            staged.data_len += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-            staged.tensors.append((local, ref, defer and local.data_ptr() in stable and nbytes > 0))
-            return ref
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return _rebuild(obj, [walk(v) for v in obj])
-        return obj
-    staged.meta = pickle.dumps(walk(payload), protocol=pickle.HIGHEST_PROTOCOL)
+    def on_tensor(obj: Any) -> TensorRef:
+        local = _local(obj).detach()
+        if local.layout != torch.strided or local.is_quantized:
+            raise safe_codec.UnsupportedStateError(type(obj), [], f"a {local.layout} tensor (only dense tensors)")
+        if not local.is_contiguous():
+            local = local.contiguous()
+        nbytes = local.numel() * local.element_size()
+        ref = TensorRef(staged.data_len, str(local.dtype).removeprefix("torch."), tuple(local.shape), nbytes)
+        staged.data_len += _aligned(nbytes)
+        staged.tensors.append((local, ref, defer and local.data_ptr() in stable and nbytes > 0))
+        return ref
+    staged.meta = safe_codec.dumps(payload, on_tensor)
     return staged
 
 
@@ -109,7 +103,7 @@ class SlotFile:
         size = HEADER_LEN + _aligned(len(staged.meta)) + staged.data_len
         if self._map is None or size > self._size:
             self.close()
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
             try:
                 os.ftruncate(fd, size)
                 os.posix_fallocate(fd, 0, size)      # a full tmpfs fails here (ENOSPC), not later (SIGBUS)
@@ -177,101 +171,184 @@ def _dst(view: memoryview, staged: Staged, ref: TensorRef) -> Any:
     return raw.view(getattr(torch, ref.dtype)).view(ref.shape)
 
 
+def _copied(staged: Staged, index: int) -> None:
+    """Tensor `index` is in the slot: let the checksum threads sum what lies before the first tensor still
+    being copied (tensors sit in the data region in list order)."""
+    staged.done.add(index)
+    while staged.copied in staged.done:
+        staged.copied += 1
+    if staged.sums is not None:
+        end = staged.data_len if staged.copied >= len(staged.tensors) else staged.tensors[staged.copied][1].offset
+        staged.sums.advance(end)
+
+
 def copy_now(view: memoryview, staged: Staged, streams: SideStream) -> None:
-    """Copy the tensors not deferred, and launch the deferred device copies on the side stream."""
+    """Copy the tensors not deferred, and launch the deferred device copies on the side stream; the
+    checksum threads start summing behind the copy."""
     import torch
-    for src, ref, deferred in staged.tensors:
-        if ref.nbytes == 0:
-            continue
-        if not deferred:
-            _dst(view, staged, ref).copy_(src)
-        elif src.is_cuda:
-            stream = streams.get(src.device)
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(stream):
-                _dst(view, staged, ref).copy_(src, non_blocking=True)
-                src.record_stream(stream)
-            staged.cuda_event = torch.cuda.Event()
-            staged.cuda_event.record(stream)
+    staged.sums = ChunkSums(view, HEADER_LEN + _aligned(len(staged.meta)), staged.data_len)
+    if any(src.is_cuda for src, _ref, _deferred in staged.tensors):
+        staged.sums.start()       # sum behind the DMA; host copies use torch's threads: summed after them
+    try:
+        for i, (src, ref, deferred) in enumerate(staged.tensors):
+            if ref.nbytes == 0:
+                _copied(staged, i)
+            elif not deferred:
+                _dst(view, staged, ref).copy_(src)
+                _copied(staged, i)
+            elif src.is_cuda:
+                stream = streams.get(src.device)
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+                with torch.cuda.stream(stream):
+                    _dst(view, staged, ref).copy_(src, non_blocking=True)
+                    src.record_stream(stream)
+                staged.cuda_event = torch.cuda.Event()
+                staged.cuda_event.record(stream)
+    except BaseException:
+        staged.sums.cancel()
+        raise
 
 
-def complete(view: memoryview, staged: Staged, checksum: bool, valid: Callable[[], bool] = lambda: True) -> bool:
-    """Finish the deferred copies, write the metadata and, last, the header that makes the slot valid.
+def checksum(view: memoryview, step: int, meta_len: int, data_len: int, chunk: int = CHUNK,
+             crcs: Optional[list[int]] = None) -> int:
+    """The checksum of a slot laid out in `view` (see the module doc); `crcs`: its data chunks' CRC32s
+    when they are known already (summed during the copy)."""
+    if crcs is None:
+        crcs = chunk_crcs(view, HEADER_LEN + _aligned(meta_len), data_len, chunk)
+    crc = zlib.crc32(_SUMMED.pack(step, meta_len, data_len, chunk))
+    crc = zlib.crc32(view[HEADER_LEN:HEADER_LEN + meta_len], crc)
+    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs), crc)
 
-    `valid` is asked once every copy has finished: False leaves the slot incomplete (never used). The
-    caller says False when a restart was requested meanwhile - on a GPU the host runs ahead of the
-    device, and a copy that waited for work the restart then aborted holds garbage.
+
+def finish_copies(view: memoryview, staged: Staged, valid: Callable[[], bool] = lambda: True) -> bool:
+    """Finish the deferred copies; False (the slot stays incomplete, never used) when `valid()` says no.
+
+    `valid` is asked once every copy has finished. The caller says False when a restart was requested
+    meanwhile - on a GPU the host runs ahead of the device, and a copy that waited for work the restart
+    then aborted holds garbage.
     """
-    for src, ref, deferred in staged.tensors:
-        if deferred and not src.is_cuda and ref.nbytes:
-            _dst(view, staged, ref).copy_(src)
-    if staged.cuda_event is not None:
-        staged.cuda_event.synchronize()
-    if not valid():
+    try:
+        for i, (src, ref, deferred) in enumerate(staged.tensors):
+            if deferred and not src.is_cuda and ref.nbytes:
+                _dst(view, staged, ref).copy_(src)
+                _copied(staged, i)
+        if staged.cuda_event is not None:
+            staged.cuda_event.synchronize()
+        ok = bool(valid())
+    except BaseException:
+        ok = False
+        raise
+    finally:
         staged.tensors.clear()
-        return False
+        if not ok and staged.sums is not None:
+            staged.sums.cancel()
+    return ok
+
+
+def seal(view: memoryview, staged: Staged) -> None:
+    """Write the metadata, the checksum and, last, the header that makes the slot valid."""
     view[HEADER_LEN:HEADER_LEN + len(staged.meta)] = staged.meta
-    end = HEADER_LEN + _aligned(len(staged.meta)) + staged.data_len
-    crc = zlib.crc32(view[HEADER_LEN:end]) if checksum else 0
-    view[:HEADER.size] = HEADER.pack(MAGIC, staged.step, crc, int(checksum), 1, len(staged.meta), staged.data_len)
-    staged.tensors.clear()
-    return True
+    crcs = staged.sums.result() if staged.sums is not None else None
+    crc = checksum(view, staged.step, len(staged.meta), staged.data_len, CHUNK, crcs)
+    view[:HEADER.size] = HEADER.pack(MAGIC, staged.step, crc, 1, len(staged.meta), staged.data_len, CHUNK)
 
 
 def header(data: Any, what: str) -> tuple[int, int, int, int, int]:
-    """(step, crc, checksum flag, meta len, data len) of a complete slot; SnapshotCorrupt otherwise."""
+    """(step, crc, meta len, data len, chunk size) of a complete slot; SnapshotCorrupt otherwise."""
     if len(data) < HEADER_LEN:
         raise SnapshotCorrupt(f"{what}: not a snapshot")
-    magic, step, crc, has_crc, done, meta_len, data_len = HEADER.unpack(bytes(data[:HEADER.size]))
+    magic, step, crc, done, meta_len, data_len, chunk = HEADER.unpack(bytes(data[:HEADER.size]))
     if magic != MAGIC or not done:
-        raise SnapshotCorrupt(f"{what}: incomplete or not a snapshot")
-    if len(data) < HEADER_LEN + _aligned(meta_len) + data_len:
-        raise SnapshotCorrupt(f"{what}: truncated (step {step})")
-    return step, crc, has_crc, meta_len, data_len
+        raise SnapshotCorrupt(f"{what}: incomplete or not a snapshot of this version")
+    if not (1 << 16) <= chunk <= (1 << 32) - 1 or len(data) < HEADER_LEN + _aligned(meta_len) + data_len:
+        raise SnapshotCorrupt(f"{what}: truncated or malformed (step {step})")
+    return step, crc, meta_len, data_len, chunk
+
+
+def verify(data: Any, what: str) -> int:
+    """The step of a complete slot whose checksum matches and whose metadata is well-formed (decoded
+    without building tensors); SnapshotCorrupt otherwise."""
+    return _decode(data, what, True, None)[0]
 
 
 def decode(data: Any, what: str, verify: bool = True, copy: bool = True) -> tuple[int, Any]:
-    """(step, payload) of a slot's bytes; tensors copied out of `data`, or views of it with copy=False."""
+    """(step, payload) of a slot's bytes; tensors copied out of `data`, or views of it with copy=False.
+
+    verify=False only for bytes this process has just verified (the checksum is always in the slot)."""
+    return _decode(data, what, verify, copy)
+
+
+def _decode(data: Any, what: str, verify: bool, copy: Optional[bool]) -> tuple[int, Any]:
+    """decode; with copy=None every tensor reference is checked but no tensor is built (None in its place)."""
     import torch
-    step, crc, has_crc, meta_len, data_len = header(data, what)
-    view = memoryview(data)
-    end = HEADER_LEN + _aligned(meta_len) + data_len
-    if verify and has_crc and zlib.crc32(view[HEADER_LEN:end]) != crc:
+    step, crc, meta_len, data_len, chunk = header(data, what)
+    view = memoryview(data).cast("B")
+    if verify and checksum(view, step, meta_len, data_len, chunk) != crc:
         raise SnapshotCorrupt(f"{what}: checksum mismatch (step {step})")
     base = HEADER_LEN + _aligned(meta_len)
 
-    def load(obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            if obj.nbytes == 0:
-                return torch.empty(obj.shape, dtype=getattr(torch, obj.dtype))
-            raw = torch.frombuffer(view[base + obj.offset:base + obj.offset + obj.nbytes], dtype=torch.uint8)
-            t = raw.view(getattr(torch, obj.dtype)).view(obj.shape)
-            return t.clone() if copy else t
-        if isinstance(obj, dict):
-            return {k: load(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return _rebuild(obj, [load(v) for v in obj])
-        return obj
-    return step, load(pickle.loads(view[HEADER_LEN:HEADER_LEN + meta_len]))
+    def load(ref: TensorRef) -> Any:
+        dtype = getattr(torch, ref.dtype, None) if ref.dtype.isidentifier() else None
+        if not isinstance(dtype, torch.dtype):
+            raise SnapshotCorrupt(f"{what}: unknown dtype {ref.dtype!r}")
+        numel = 1
+        for d in ref.shape:
+            numel *= d
+        if numel * torch.empty((), dtype=dtype).element_size() != ref.nbytes or ref.offset + ref.nbytes > data_len:
+            raise SnapshotCorrupt(f"{what}: a tensor of {ref.shape} {ref.dtype} does not fit its bytes")
+        if copy is None:
+            return None
+        if ref.nbytes == 0:
+            return torch.empty(ref.shape, dtype=dtype)
+        raw = torch.frombuffer(view[base + ref.offset:base + ref.offset + ref.nbytes], dtype=torch.uint8)
+        t = raw.view(dtype).view(ref.shape)
+        return t.clone() if copy else t
+    try:
+        return step, safe_codec.loads(view[HEADER_LEN:HEADER_LEN + meta_len], load)
+    except CodecError as exc:
+        raise SnapshotCorrupt(f"{what}: {exc} (step {step})") from None
+
+
+def write_atomic(path: str, blob: bytes, durable: bool = False) -> None:
+    """Write `blob` as `path` through a temporary file (0600, never through a symlink) and a rename, so a
+    reader sees the whole file or none; `durable`: fsync first (a disk, not a tmpfs)."""
+    with os.fdopen(open_private(path + ".tmp"), "wb") as fh:
+        fh.write(blob)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
 
 
 class SlotWriter:
-    """At most one snapshot completing in the background; `wait` is the barrier."""
+    """At most one snapshot completing in the background: the copy (`wait_copied`: the optimizer step
+    waits for it) and then the checksum and header (`wait`: the next save and restore wait for all)."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
+        self._copied = threading.Event()
+        self._copied.set()
         self._error: Optional[BaseException] = None
 
-    def start(self, job: Callable[[], None]) -> None:
+    def start(self, copy: Callable[[], bool], seal: Callable[[], None]) -> None:
         self.wait()
+        self._copied.clear()
 
         def run() -> None:
             try:
-                job()
+                ok = copy()
+                self._copied.set()
+                if ok:
+                    seal()
             except BaseException as exc:  # reported at the next wait, in the training thread
                 self._error = exc
+            finally:
+                self._copied.set()
         self._thread = threading.Thread(target=run, name="hyperpodrun-snapshot", daemon=True)
         self._thread.start()
+
+    def wait_copied(self) -> None:
+        self._copied.wait()
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -280,12 +357,3 @@ class SlotWriter:
         if self._error is not None:
             err, self._error = self._error, None
             log.error("a snapshot was not written: %s", err)
-
-
-def verify(data: Any, what: str) -> int:
-    """The step of a complete slot whose checksum (if it has one) matches; SnapshotCorrupt otherwise."""
-    step, crc, has_crc, meta_len, data_len = header(data, what)
-    end = HEADER_LEN + _aligned(meta_len) + data_len
-    if has_crc and zlib.crc32(memoryview(data)[HEADER_LEN:end]) != crc:
-        raise SnapshotCorrupt(f"{what}: checksum mismatch (step {step})")
-    return step

@@ -6,8 +6,11 @@ shards as local tensors plus their placement - and restore must hand each one ba
 """
 from __future__ import annotations
 
+import collections
 import random
 from typing import Any, Iterator, Mapping
+
+from hyperpodrun.runtime.safe_codec import UnsupportedStateError
 
 
 def rng_state() -> dict[str, Any]:
@@ -95,7 +98,8 @@ def like(saved: Any, current: Any, device: Any = None) -> Any:
         return saved.to(device, copy=True)
     if isinstance(saved, dict):
         cur = current if isinstance(current, dict) else {}
-        return {k: like(v, cur.get(k), device) for k, v in saved.items()}
+        out = {k: like(v, cur.get(k), device) for k, v in saved.items()}
+        return collections.OrderedDict(out) if type(saved) is collections.OrderedDict else out
     if isinstance(saved, (list, tuple)):
         cur = current if isinstance(current, (list, tuple)) and len(current) == len(saved) else [None] * len(saved)
         items = [like(s, c, device) for s, c in zip(saved, cur)]
@@ -126,3 +130,15 @@ def fix_optimizer_dtensors(opt: Any) -> None:
             if hasattr(v, "shape") and not isinstance(v, DTensor) and v.shape == local_shape and v.dim() > 0:
                 st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False,
                                            shape=p.shape, stride=p.stride())
+
+
+def saved_where(exc: UnsupportedStateError, payload: Mapping[str, Any]) -> UnsupportedStateError:
+    """The error with the place named as the user wrote it, e.g. state['opt'].state_dict()['param_groups']."""
+    path = list(exc.path)
+    if path[:1] == ["state"] and len(path) >= 3 and path[1] in payload["state"]:
+        kind = payload["state"][path[1]][0]
+        exc.root, exc.path = f"state[{path[1]!r}]" + (".state_dict()" if kind == "sd" else ""), path[3:]
+    elif path[:1] == ["rng"]:
+        exc.root, exc.path = "the RNG state", path[1:]
+    exc.root = f"CheckpointManager.save: {exc.root}"
+    return exc

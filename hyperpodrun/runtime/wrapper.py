@@ -33,15 +33,18 @@ from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, Checkpointles
 from hyperpodrun.runtime.health import CudaHealthCheck, HealthCheckError
 from hyperpodrun.runtime.inject import Injector, execute
 from hyperpodrun.runtime.interrupt import Interrupter, RestartInterrupt
+from hyperpodrun.runtime.torch_state import (_abort_nccl_from_monitor, _collective_seq, _device_ids,
+                                             _drop_frames, _exit_without_last_collection, _main_stack,
+                                             _preload_torch_modules, _reset_torch_group_counter,
+                                             _warn_existing_group)
+from hyperpodrun.safe_fs import UnsafePathError
 
 log = logging.getLogger("hyperpodrun.runtime")
 
 #: deterministic programming errors: retrying them only burns time (override with fatal_exceptions=)
-DEFAULT_FATAL = (TypeError, NameError, AttributeError, SyntaxError, ImportError, NotImplementedError)
+DEFAULT_FATAL = (TypeError, NameError, AttributeError, SyntaxError, ImportError, NotImplementedError, UnsafePathError)
 
-_SECONDARY_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "socket closed",
-                      "communicator was aborted", "process group", "processgroup", "timed out",
-                      "connection refused", "has been aborted", "destroyed", "not initialized")
+from hyperpodrun.symptoms import SECONDARY_MARKERS as _SECONDARY_MARKERS  # noqa: E402 (shared with the agent)
 
 
 def inprocess_enabled() -> bool:
@@ -182,8 +185,11 @@ class _Session:
 
     # monitor thread
     def _status(self) -> dict:
-        return {"generation": self.generation, "step": self.step, "seq": _collective_seq(), "state": self.state,
-                **self.device}
+        status = {"generation": self.generation, "step": self.step, "seq": _collective_seq(), "state": self.state,
+                  **self.device}
+        if self.state == "recovering" or (self.state == "running" and self.interrupter.target > self.generation):
+            status["stack"] = _main_stack()   # a restart is under way: where this rank is, should it not get READY
+        return status
 
     def _on_command(self, msg: P._Msg) -> None:
         if isinstance(msg, P.Restart):
@@ -214,89 +220,6 @@ class _Session:
 
     def send(self, msg: P._Msg) -> None:
         self.client.send(msg)
-
-
-def _device_ids() -> dict:
-    """GPU UUID / PCI bus id of this thread's current CUDA device, for the agent's NVML monitor; {} until CUDA is in
-    use (cheap then: called at every progress() until it answers)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return {}
-    try:
-        if torch.cuda.is_initialized():
-            props = torch.cuda.get_device_properties(torch.cuda.current_device())
-            uuid = str(props.uuid)
-            return {"device_uuid": uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}",
-                    "pci_bus_id": f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"}
-    except Exception:
-        pass
-    return {}
-
-
-def _abort_nccl_from_monitor() -> None:
-    """NCCL only: abort the communicators from the monitor thread, so a main thread blocked on the GPU (a
-    collective whose peer died, a synchronize, `.item()`) returns and the interrupt can land. gloo groups are
-    left to the main thread (destroying them from another thread is not safe)."""
-    try:
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend()).lower():
-            return
-        abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort_pg is not None:
-            abort_pg()
-            log.warning("rank %s: NCCL communicators aborted on RESTART", os.environ.get("RANK"))
-    except Exception as exc:  # the main thread's abort runs anyway
-        log.warning("NCCL abort from the monitor thread failed: %s", exc)
-
-
-def _collective_seq() -> Optional[int]:
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
-    except Exception:
-        return None
-    return None
-
-
-def _drop_frames(exc: BaseException) -> None:
-    """Clear the locals of the failed call's frames so what they referenced (modules, DDP reducers, process
-    groups and their sockets) can be freed now, not when the exception object dies."""
-    tb = exc.__traceback__
-    while tb is not None:
-        try:
-            tb.tb_frame.clear()
-        except RuntimeError:  # a frame still executing (ours)
-            pass
-        tb = tb.tb_next
-    for chained in (exc.__cause__, exc.__context__):
-        if chained is not None and chained is not exc:
-            _drop_frames(chained)
-
-
-def _preload_torch_modules() -> None:
-    """Import torch._dynamo before the user's first process group exists.
-
-    Imported later (torch.optim does it lazily), it keeps Python references to the process groups that
-    exist at that moment (measured on torch 2.13: +10), so a failed gloo group is never destroyed, its
-    sockets stay open and peers blocked in a collective with it are not released.
-    """
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception:
-        pass
-
-
-def _reset_torch_group_counter() -> None:
-    """A failed `init_process_group` leaves torch's group counter advanced, so the next init on this rank
-    would use other store keys than a fresh process. Reset it when no group exists (torch internals: guarded)."""
-    try:
-        import torch.distributed as dist
-        world = getattr(dist.distributed_c10d, "_world", None)
-        if world is not None and not dist.is_initialized() and hasattr(world, "group_count"):
-            world.group_count = 0
-    except Exception:
-        pass
 
 
 def _secondary(exc: BaseException) -> bool:
@@ -341,6 +264,7 @@ class HPWrapper:
     # ------------------------------------------------------------------------------------------------
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         _preload_torch_modules()
+        _warn_existing_group()
         sess = _Session.get()
         gen = sess.generation
         need_go = gen > 0
@@ -352,7 +276,7 @@ class HPWrapper:
             if self.checkpoint_manager is not None and hasattr(self.checkpoint_manager, "_attach"):
                 self.checkpoint_manager._attach(caller, sess)
             sess.state = "running"
-            release_parked()            # the previous generation's groups: their threads are idle by now
+            release_parked()            # the previous generation's groups: every rank has aborted them by now
             _reset_torch_group_counter()
             mark_generation_start()
             t_fault: Optional[float] = None
@@ -405,8 +329,12 @@ class HPWrapper:
                 sess.send(P.Done(rank=sess.rank, pid=os.getpid(), generation=gen))
                 sess.wait(lambda: sess.interrupter.target > gen or sess.shutdown is not None)
                 if sess.shutdown is not None and sess.interrupter.target <= gen:
-                    release_parked()
+                    release_parked(wait=True)   # no gloo thread may outlive the interpreter (see release_parked)
+                    if callable(getattr(self.checkpoint_manager, "close", None)):   # every rank finished: drop slots
+                        self.checkpoint_manager.close(success=sess.shutdown.reason == "complete"
+                                                      and not sess.shutdown.exit_code)
                     sess.client.close()
+                    _exit_without_last_collection()
                     return result
                 target = sess.interrupter.target
                 del result

@@ -9,6 +9,7 @@
 """
 import argparse
 import datetime
+import gc
 import json
 import os
 import resource
@@ -73,6 +74,10 @@ def main(caller=None):
         measure(net, opt, x, state, rank, nparams)
     else:
         train(net, opt, x, state, rank, caller)
+    # release the model and the last tensors before the group: a gloo thread must not free a tensor while Python
+    # exits (torch 2.13 can abort the process then)
+    del net, opt, state, x
+    gc.collect()
     dist.destroy_process_group()
 
 

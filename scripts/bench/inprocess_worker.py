@@ -38,6 +38,7 @@ import time
 T_TOP = time.time()
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import gc  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 
@@ -216,6 +217,12 @@ def train(args: argparse.Namespace, caller=None) -> None:
         opt.step()
         wait_done(loss, args, device)
         record("step", gen, step, time.time())
+    # release DDP and the last tensors before the group: a gloo thread must not free a tensor while Python
+    # exits (torch 2.13 can abort the process then)
+    _STATE.pop("grave", None)
+    del ddp, model, opt, buf
+    loss = x = y = None
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
 """Form a gloo group from the launcher's environment, all-reduce, and leave OUT/result_<rank>.json."""
+import gc
 import json
 import os
 import sys
@@ -18,6 +19,9 @@ def main():
              "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
     result = {"rank": rank, "world": world, "sum": t.item(), "env": {k: os.environ.get(k) for k in names}}
     dist.barrier()
+    # the job's tensors go before the group: a gloo thread must not free one while Python exits
+    t = None
+    gc.collect()
     dist.destroy_process_group()
     tmp = os.path.join(out, f".result_{rank}.tmp")
     with open(tmp, "w") as fh:

@@ -6,6 +6,7 @@ CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-se
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt.
 """
 import datetime
+import gc
 import os
 import signal
 import time
@@ -25,6 +26,7 @@ REPLICAS = os.environ.get("REPLICAS")   # e.g. "0,2/1,3": explicit replica group
 cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        enable_offload=os.environ.get("OFFLOAD") == "1",
                        fallback_dir=os.environ.get("FALLBACK_DIR") or None,
+                       shm_dir=os.environ.get("CKPT_SHM_DIR") or None,   # a place the agent does not know
                        replica_groups=[[int(r) for r in g.split(",")] for g in REPLICAS.split("/")]
                        if REPLICAS else None)
 
@@ -131,6 +133,9 @@ def main(caller=None):
     ost = {k: {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() if torch.is_tensor(t) else t
                for n, t in s.items()} for k, s in osd.items()}
     torch.save({"model": full, "opt": ost}, os.path.join(OUT_DIR, f"rank{rank}.pt"))
+    # the job's tensors go before the group: a gloo thread must not free one while Python exits
+    net = opt = state = loss = full = osd = ost = None
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ os._exit at once).
 import argparse
 import ctypes
 import datetime
+import gc
 import json
 import os
 import signal
@@ -167,6 +168,9 @@ def train(caller=None) -> None:
         if steps is None and step % 10 == 0:
             record("step", it=caller.iteration, step=step)
     dist.barrier()
+    # the job's tensors go before the group: a gloo thread must not free one while Python exits
+    t = None
+    gc.collect()
     dist.destroy_process_group()
     record("done", it=caller.iteration, step=step)
 

@@ -16,6 +16,7 @@ fired after batch `step` was consumed, before the step is saved), SHARE=1 (share
 MAX_BYTES, PREFETCH (4), LOOKBACK (2), WORKERS (DataLoader workers, 0).
 """
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -131,6 +132,9 @@ def main(caller=None):
     producer = loader.producer
     record("done", it=caller.iteration, stats=loader.stats, seeks=producer.seeks if producer else None,
            owner=producer is not None, max_files=max_files, max_bytes=max_bytes, groups=groups)
+    # the job's tensors go before the group: a gloo thread must not free one while Python exits
+    model = opt = state = loss = batch = None
+    gc.collect()
     dist.destroy_process_group()
 
 

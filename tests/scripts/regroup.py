@@ -3,6 +3,7 @@
 Each worker leaves a grandchild (`sleep`, in its own process group of the worker's session) and records
 its pid in OUT/gc_<g>_<rank>; OUT/ok_<g>_<rank> marks a correct all-reduce in generation g.
 """
+import gc as pygc
 import os
 import subprocess
 import sys
@@ -35,6 +36,9 @@ def main():
             time.sleep(0.02)
         sys.exit(99)
     dist.barrier()
+    # the job's tensors go before the group: a gloo thread must not free one while Python exits
+    t = None
+    pygc.collect()
     dist.destroy_process_group()
 
 
