@@ -22,6 +22,19 @@ hyperpodrun --nproc-per-node 4 --max-restarts 1 --log-dir "$LOG_DIR" --rdzv-id "
 echo
 echo "== hyperpodrun exited with code $status. What the agent did: hyperpodrun logs $RUN_DIR --events"
 hyperpodrun logs "$RUN_DIR" --events
+# The demo checks itself: the restart must be blamed on rank 1's exit code 3, not on a peer that died of the
+# broken collective it caused.
+if ! python - "$RUN_DIR" <<'PY'
+import glob, json, sys
+faults = [r for p in glob.glob(sys.argv[1] + "/*.events.jsonl") for r in map(json.loads, open(p)) if r.get("event") == "fault"]
+ok = bool(faults) and faults[0].get("rank") == 1 and faults[0].get("exit_code") == 3
+print("== cause named:", faults[0].get("msg") if faults else "no fault recorded", "(expected rank 1, exit code 3)" if not ok else "")
+sys.exit(0 if ok else 1)
+PY
+then
+  echo "== FAILED: the event log does not name rank 1 (exit code 3) as the cause" >&2
+  status=1
+fi
 echo
 echo "== per-rank logs: $RUN_DIR/attempt_<generation>/rank_<rank>/{stdout.log,stderr.log}"
 echo "   e.g. hyperpodrun logs $RUN_DIR --rank 1"
