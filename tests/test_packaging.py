@@ -3,6 +3,7 @@ user's own agent.py / agent/ (common in RL code) cannot shadow it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_wheel_has_no_top_level_agent_package(tmp_path: Path) -> None:
     target = tmp_path / "site"
+    src = tmp_path / "src"   # build from a copy: the build leaves build/ and *.egg-info next to its sources
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             "hyperpodrun_logs", ".whl", ".pytest_cache"))
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+                           "--target", str(target), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     top = sorted(p.name for p in target.iterdir())
     assert "agent" not in top and "agent.py" not in top, top
