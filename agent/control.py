@@ -44,6 +44,9 @@ def split_batch(batch: Iterable[tuple[bytes, P._Msg]]) -> tuple[list[tuple[bytes
 
 
 class ControlServer:
+    """The agent's end of the control plane (the ControlSender port): workers and `hyperpodrun inject` connect
+    as DEALERs; messages are addressed by the sender's zmq identity."""
+
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="hpr-", dir="/tmp" if os.path.isdir("/tmp") else None)
         os.chmod(self._dir, 0o700)
@@ -71,13 +74,15 @@ class ControlServer:
                 log.warning("dropped a control message from %r: %s", frames[0][:32], exc)
 
     def send(self, ident: Optional[bytes], msg: P._Msg) -> bool:
+        """Queue `msg` for the peer `ident` without blocking; False when it cannot be delivered (not connected:
+        ROUTER_MANDATORY says so; or its queue is full). The caller decides what an unreachable peer means."""
         if ident is None:
             return False
         try:
             self.sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:   # peer gone (EHOSTUNREACH) or queue full
-            log.debug("control send %s to %r failed: %s", msg.type, ident, exc)
+            log.debug("control send %s to %r failed: %s", getattr(msg, "type", "?"), ident, exc)
             return False
 
     def close(self) -> None:

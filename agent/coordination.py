@@ -1,9 +1,11 @@
 """Job-wide state in the coordination store: restart generation, restart budget, failure, completion.
 
-The generation moves only forward and only through the store: the first agent to claim `restart/<g+1>`
-owns that restart and spends one unit of the job-wide budget; an agent that asks later joins the same
-generation. A watcher thread per agent (its own connection) turns changes made by other nodes into loop
-events.
+The generation moves only forward and only through the store: the first agent to claim the restart into
+g+1 owns it (its claim holds the cause); an agent that asks later joins the same generation. A
+process-level restart spends one unit of the job-wide budget, counted once per generation whichever agent
+counts it, so every agent that asks for the same generation gets the same verdict. A watcher thread per
+agent (its own connection) turns changes made by other nodes into loop events. The keys and records are
+those of agent/store_schema.py.
 
 Every record that changes the job's fate is signed with a key derived from the job secret
 (hyperpodrun/auth.py) and bound to the run id and the record's name: the generation, the restart claims
@@ -14,13 +16,15 @@ through signed per-node marks. What a store writer can still do is listed in the
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from hyperpodrun import auth
+from hyperpodrun.agent import store_schema as K
+from hyperpodrun.agent.ports import KVStore, Posted, RestartGrant
+from hyperpodrun.agent.store_schema import FailureInfo, RestartBudget, RestartClaim
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -47,7 +51,7 @@ class Forgeries:
 class SignedRecords:
     """Signed string records in a (prefixed) store. Not thread-safe: one instance per store connection."""
 
-    def __init__(self, store: Any, key: bytes, run_id: str, forged: Callable[[str], None]) -> None:
+    def __init__(self, store: KVStore, key: bytes, run_id: str, forged: Callable[[str], None]) -> None:
         self.store = store
         self._key = key
         self._run = run_id
@@ -123,7 +127,7 @@ class SignedRecords:
     # ------------------------------------------------------------ per-node marks with a counter as hint
     def mark(self, name: str, node: int, on: bool = True) -> None:
         """Set (or take back) this node's signed mark `name`; the plain counter `name` moves with it."""
-        self.write(f"{name}/node{node}", "1" if on else "0")
+        self.write(K.node_mark(name, node), "1" if on else "0")
         self.store.add(name, 1 if on else -1)
 
     def count(self, name: str, nnodes: int) -> int:
@@ -133,8 +137,9 @@ class SignedRecords:
             return max(hint, 0)
         marked = 0
         for node in range(nnodes):
-            raw = self._raw(f"{name}/node{node}")
-            if raw and self._unpack(f"{name}/node{node}", raw) == "1":
+            mark = K.node_mark(name, node)
+            raw = self._raw(mark)
+            if raw and self._unpack(mark, raw) == "1":
                 marked += 1
         if marked < nnodes and hint > nnodes:
             self._forged(name)
@@ -142,9 +147,9 @@ class SignedRecords:
 
 
 class Coordinator:
-    """Main-thread view of the job-wide keys. `store` is already prefixed to the run."""
+    """Main-thread view of the job-wide records (the Coordination port). `store` is already prefixed to the run."""
 
-    def __init__(self, store: Any, nnodes: int, max_restarts: int, *, key: bytes, run_id: str, node_rank: int,
+    def __init__(self, store: KVStore, nnodes: int, max_restarts: int, *, key: bytes, run_id: str, node_rank: int,
                  on_forged: Callable[[str], None]) -> None:
         self.store = store
         self.nnodes = nnodes
@@ -156,87 +161,128 @@ class Coordinator:
         self.records = SignedRecords(store, key, run_id, self.forgeries)
         self._me = f"node{node_rank}:{secrets.token_hex(8)}"   # tells our claims from another agent's
 
-    def records_for(self, store: Any) -> SignedRecords:
-        """Signed records over another connection to the same store (the watcher's)."""
-        return SignedRecords(store, self._key, self._run, self.forgeries)
+    def view(self, store: KVStore) -> "Coordinator":
+        """The same job's records over another connection to the same store (the watcher's)."""
+        other = Coordinator(store, self.nnodes, self.max_restarts, key=self._key, run_id=self._run,
+                            node_rank=self.node_rank, on_forged=lambda name: None)
+        other.forgeries = self.forgeries    # each forged name is still reported once, whichever view saw it
+        other.records = SignedRecords(store, self._key, self._run, self.forgeries)
+        return other
 
+    # ------------------------------------------------------------ generations and the budget
     def generation(self) -> int:
-        return int(self.records.read("gen") or 0)
+        return int(self.records.read(K.GENERATION) or 0)
 
-    def request_restart(self, current: int, reason: dict[str, Any], count_budget: bool = True
-                        ) -> tuple[int, bool, bool]:
-        """Ask for generation current+1 -> (target generation, we started it, budget allows it).
+    def request_restart(self, current: int, reason: FailureInfo, count_budget: bool = True) -> RestartGrant:
+        """Ask for generation current+1.
 
         In-process restarts move the generation without spending the --max-restarts budget
-        (count_budget=False); process-level restarts spend one unit."""
+        (count_budget=False); process-level restarts spend one unit. The budget is counted once per
+        generation by whichever agent asks first, and read by every agent that asks, so an agent that lost
+        the race to claim the restart learns that the budget is spent as the winner does (and the winner's
+        cause with it)."""
         latest = self.generation()
-        if latest > current:
-            return latest, False, True  # someone already moved it: fold our failure into theirs
+        if latest > current:   # someone already moved it: fold our failure into theirs
+            return RestartGrant(latest, started=False, budget_ok=True, cause=reason)
         target = current + 1
-        if self.records.claim(f"restart/{target}", self._me) != self._me:
-            return target, False, True
+        mine = RestartClaim(owner=self._me, reason=reason).model_dump_json()
+        won = self.records.claim(K.restart_claim(target), mine)
+        claim = RestartClaim.model_validate_json(won) if won is not None else None
+        started = claim is not None and claim.owner == self._me
+        cause = claim.reason if claim is not None else reason
         if count_budget:
-            used = int(self.records.update("restarts_used", lambda u: str(int(u or 0) + 1)))
-            if used > self.max_restarts:
-                return target, True, False
-        self.records.write(f"restart/{target}/reason", json.dumps(reason, default=str))
-        # the generation never moves backwards
-        self.records.update("gen", lambda g: str(max(int(g or 0), target)))
-        return target, True, True
+            budget = RestartBudget.model_validate_json(self.records.update(K.RESTARTS_USED, _count_for(target)))
+            if budget.used > self.max_restarts:
+                return RestartGrant(target, started=started, budget_ok=False, cause=cause)
+        if started:   # the generation never moves backwards
+            self.records.update(K.GENERATION, lambda g: str(max(int(g or 0), target)))
+        return RestartGrant(target, started=started, budget_ok=True, cause=cause)
 
     def restarts_used(self) -> int:
-        return int(self.records.read("restarts_used") or 0)
+        value = self.records.read(K.RESTARTS_USED)
+        return RestartBudget.model_validate_json(value).used if value is not None else 0
 
-    def report_failure(self, info: dict[str, Any]) -> None:
-        """The job failed for good: tell every agent (first report wins)."""
-        self.records.claim("failed", json.dumps(info, default=str))
+    # ------------------------------------------------------------ the job's failure
+    def report_failure(self, info: FailureInfo) -> FailureInfo:
+        """The job failed for good: tell every agent. The first report wins; returns the winning one."""
+        won = self.records.claim(K.FAILED, info.to_json())
+        return FailureInfo.from_json(won) if won is not None else info
 
-    def failure(self) -> Optional[dict[str, Any]]:
-        value = self.records.read("failed")
-        return json.loads(value) if value is not None else None
+    def failure(self) -> Optional[FailureInfo]:
+        """The failure that ended the job, once an agent has reported one."""
+        value = self.records.read(K.FAILED)
+        return FailureInfo.from_json(value) if value is not None else None
 
+    # ------------------------------------------------------------ worker stores
     def publish_worker_store(self, generation: int, port: int) -> None:
-        self.records.write(f"wstore/{generation}", str(port))
+        self.records.write(K.worker_store(generation), str(port))
 
     def worker_store_port(self, generation: int) -> Optional[int]:
-        value = self.records.read(f"wstore/{generation}")
+        value = self.records.read(K.worker_store(generation))
         return int(value) if value is not None else None
 
-    def mark_node(self, name: str, on: bool = True) -> None:
-        """This node's signed mark `name` (e.g. in-process barrier `ipready/<g>`); on=False takes it back."""
-        self.records.mark(name, self.node_rank, on)
+    # ------------------------------------------------------------ in-process rounds
+    def claim_root_cause(self, generation: int, info: FailureInfo) -> None:
+        """Name the real cause of `generation`'s round job-wide (the first node that knows one wins)."""
+        self.records.claim(K.root_cause(generation), info.with_(node=self.node_rank).to_json())
 
-    def nodes_marked(self, name: str) -> int:
-        return self.records.count(name, self.nnodes)
+    def root_cause(self, generation: int) -> Optional[FailureInfo]:
+        value = self.records.read(K.root_cause(generation))
+        return FailureInfo.from_json(value) if value is not None else None
 
+    def mark_ready(self, generation: int, on: bool = True) -> None:
+        """Every rank of this node is READY for `generation`; on=False takes it back (a rank died since)."""
+        self.records.mark(K.inprocess_ready(generation), self.node_rank, on)
+
+    def ready_count(self, generation: int) -> int:
+        return self.records.count(K.inprocess_ready(generation), self.nnodes)
+
+    def mark_inprocess_done(self, generation: int) -> None:
+        self.records.mark(K.inprocess_done(generation), self.node_rank)
+
+    def inprocess_done_count(self, generation: int) -> int:
+        return self.records.count(K.inprocess_done(generation), self.nnodes)
+
+    # ------------------------------------------------------------ the exit barrier
     def mark_done(self, generation: int) -> None:
-        self.mark_node(f"done/{generation}")
+        self.records.mark(K.done(generation), self.node_rank)
 
     def done_count(self, generation: int) -> int:
-        return self.nodes_marked(f"done/{generation}")
+        return self.records.count(K.done(generation), self.nnodes)
 
     def mark_left(self) -> None:
-        self.mark_node("left")
+        self.records.mark(K.LEFT, self.node_rank)
 
     def left_count(self) -> int:
-        return self.nodes_marked("left")
+        return self.records.count(K.LEFT, self.nnodes)
+
+
+def _count_for(target: int) -> Callable[[Optional[str]], str]:
+    """The budget update for a process-level restart into `target`: one more unit, unless counted already."""
+    def count(value: Optional[str]) -> str:
+        budget = RestartBudget.model_validate_json(value) if value is not None else RestartBudget()
+        if budget.counted < target:
+            budget = RestartBudget(used=budget.used + 1, counted=target)
+        return budget.model_dump_json()
+    return count
 
 
 class Watcher(threading.Thread):
-    """Polls the job-wide keys over its own connection; posts ("generation", g) / ("failed", info)."""
+    """Polls the job-wide records over its own connection; posts ("generation", g) / ("failed", FailureInfo),
+    and ("store_lost", why) once the store cannot be read."""
 
-    def __init__(self, open_store: Callable[[], Any], post: Callable[[tuple], None], interval: float,
-                 records: Callable[[Any], SignedRecords]) -> None:
+    def __init__(self, open_store: Callable[[], KVStore], post: Callable[[Posted], None], interval: float,
+                 view: Callable[[KVStore], Coordinator]) -> None:
         super().__init__(name="hyperpodrun-watch", daemon=True)
         self._open_store = open_store
         self._post = post
         self._interval = interval
-        self._records = records
+        self._view = view
         self._stop = threading.Event()
 
     def run(self) -> None:
         try:
-            records = self._records(self._open_store())
+            coord = self._view(self._open_store())
         except Exception as exc:  # the loop learns of a lost store through this event
             self._post(("store_lost", str(exc)))
             return
@@ -244,15 +290,15 @@ class Watcher(threading.Thread):
         failed_sent = False
         while not self._stop.wait(self._interval):
             try:
-                gen = int(records.read("gen") or 0)
+                gen = coord.generation()
                 if gen != seen_gen:
                     seen_gen = gen
                     self._post(("generation", gen))
                 if not failed_sent:
-                    failed = records.read("failed")
+                    failed = coord.failure()
                     if failed is not None:
                         failed_sent = True
-                        self._post(("failed", json.loads(failed)))
+                        self._post(("failed", failed))
             except Exception as exc:
                 if not self._stop.is_set():
                     self._post(("store_lost", str(exc).splitlines()[0] if str(exc) else type(exc).__name__))

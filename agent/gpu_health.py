@@ -2,7 +2,10 @@
 
 Owned by the agent's loop thread; the NVML monitor thread (agent/nvml_monitor.py) and fault injection
 (`hyperpodrun inject --kind nvml-xid|gpu-lost`) only post `("gpu", GpuEvent)` to the loop, so a synthetic
-event takes exactly the path of a real one. Per event (classification: agent/xid.py):
+event takes exactly the path of a real one. It holds no handle on the agent: it reads the node's phase
+(NodeState) and asks the node, through the GpuOps port, to kill, replace or fail (docs/ARCHITECTURE.md,
+"Ports"). Constructing it only reads the inventory; `start()` starts the monitor and acts on what is
+already wrong. Per event (classification: agent/xid.py):
 
 - WARN / INFO: one `gpu_event` record, counted (the counts are in the final `gpu_summary` record).
 - RANK: the rank on that GPU is a faulty rank: it is killed and started again on the same GPU; under
@@ -24,17 +27,18 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 from hyperpodrun.agent.gpu_map import (DeviceInfo, fallback_inventory, initial_assignment, match_report, spares,
-                           visible_devices, visible_devices_for)
-from hyperpodrun.agent.nvml_backend import NvmlUnavailable, PynvmlBackend, load_nvml
+                                       visible_devices, visible_devices_for)
+from hyperpodrun.agent.nvml_backend import Backend, NvmlUnavailable, load_nvml
 from hyperpodrun.agent.nvml_monitor import NvmlMonitor
+from hyperpodrun.agent.ports import Events, GpuOps, Posted
+from hyperpodrun.agent.state import NodeState
+from hyperpodrun.agent.store_schema import FailureInfo
 from hyperpodrun.agent.xid import GPU, INFO, RANK, WARN, GpuEvent, Verdict, classify
+from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED
-
-if TYPE_CHECKING:
-    from hyperpodrun.agent.agent import Agent
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -44,22 +48,27 @@ _LEVEL = {GPU: logging.ERROR, RANK: logging.ERROR, WARN: logging.WARNING, INFO: 
 class GpuHealth:
     """Inventory, rank -> GPU map, unusable GPUs and counters of this node; acts on GPU events."""
 
-    def __init__(self, agent: "Agent", backend: Optional[PynvmlBackend] = None) -> None:
-        self.a = agent
-        cfg = agent.cfg
+    def __init__(self, cfg: LaunchConfig, host: str, rank_offset: int, events: Events, ops: GpuOps,
+                 state: NodeState, post: Callable[[Posted], None], backend: Optional[Backend] = None) -> None:
         self.mode = cfg.health_check
+        self.host = host
+        self.interval = cfg.health_interval
+        self.offset = rank_offset
+        self.events = events
+        self.ops = ops
+        self.state = state
+        self.post = post
         self.backend = backend
         self.monitor: Optional[NvmlMonitor] = None
-        self.offset = agent.rdzv.rank_offset if agent.rdzv is not None else 0
         cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-        reason = ""
+        self.unavailable = ""    # why NVML is not used (auto mode without NVML)
         if self.backend is None:
             try:
                 self.backend = load_nvml()
             except NvmlUnavailable as exc:
                 if self.mode == "nvml":
                     raise
-                reason = str(exc)
+                self.unavailable = str(exc)
         if self.backend is not None:
             self.inventory = self.backend.devices()
             self.visible = visible_devices(cvd, self.inventory)
@@ -69,28 +78,33 @@ class GpuHealth:
         self.source = {lr: "CUDA_VISIBLE_DEVICES" for lr in self.assignment}
         self.unusable: set[int] = set()
         self.suspect: set[int] = set()      # a fatal XID without a spare: replaced in place once (see above)
-        self.counts: Counter = Counter()          # "xid 79", "ecc", "throttle", ...
-        self.by_action: Counter = Counter()       # gpu / rank / warn / info
-        self._reported: dict[int, tuple] = {}
+        self.counts: Counter[str] = Counter()        # "xid 79", "ecc", "throttle", ...
+        self.by_action: Counter[str] = Counter()     # gpu / rank / warn / info
+        self._reported: dict[int, tuple[int, Optional[str], Optional[str]]] = {}
+
+    def start(self) -> None:
+        """Say what is monitored, start the monitor thread, and act on what is wrong already (a failed row
+        remap, a lost GPU): before any worker starts, so a rank starts on a spare GPU, or the node ends
+        with EXIT_NO_USABLE_GPU at once."""
         if self.backend is None:
-            agent.events.emit("gpu_health", f"GPU health: NVML not available ({reason}), no GPU monitoring "
-                              "(--health-check auto)", nvml=False)
+            self.events.emit("gpu_health", f"GPU health: NVML not available ({self.unavailable}), no GPU "
+                             "monitoring (--health-check auto)", nvml=False)
             return
-        early: list[tuple] = []
-        self.monitor = NvmlMonitor(self.backend, early.append, interval=cfg.health_interval)
+        early: list[Posted] = []
+        self.monitor = NvmlMonitor(self.backend, early.append, interval=self.interval)
         self.monitor.baseline()
-        self.monitor.post = agent.post
+        self.monitor.post = self.post
         self.monitor.start()
         names = sorted({d.name for d in self.inventory if d.name})
         mapping = ", ".join(f"{lr}->{self._label(i)}" for lr, i in self.assignment.items())
         free = spares(self.visible, self.assignment, self.unusable)
-        agent.events.emit("gpu_health", f"GPU health: NVML monitor on {len(self.inventory)} GPU(s) "
-                          f"({', '.join(names)}), XID events registered on {len(self.monitor.registered)}; "
-                          f"local rank -> GPU: {mapping}; spare GPU(s): "
-                          f"{', '.join(self._label(i) for i in free) or 'none'}", nvml=True,
-                          gpus=len(self.inventory), xid_registered=self.monitor.registered,
-                          mapping={lr: self._uuid(i) for lr, i in self.assignment.items()})
-        for _, ev in early:   # what is wrong already (a failed row remap, a lost GPU): before any worker starts
+        self.events.emit("gpu_health", f"GPU health: NVML monitor on {len(self.inventory)} GPU(s) "
+                         f"({', '.join(names)}), XID events registered on {len(self.monitor.registered)}; "
+                         f"local rank -> GPU: {mapping}; spare GPU(s): "
+                         f"{', '.join(self._label(i) for i in free) or 'none'}", nvml=True,
+                         gpus=len(self.inventory), xid_registered=self.monitor.registered,
+                         mapping={lr: self._uuid(i) for lr, i in self.assignment.items()})
+        for _, ev in early:
             self.on_event(ev)
 
     # ------------------------------------------------------------------ helpers
@@ -121,7 +135,7 @@ class GpuHealth:
     def on_report(self, rank: int, pid: int, uuid: Optional[str], pci_bus_id: Optional[str]) -> None:
         """A worker said which GPU it uses (HELLO / heartbeat): that beats the CUDA_VISIBLE_DEVICES guess."""
         lr = rank - self.offset
-        proc = self.a.sup.workers.get(lr) if self.a.sup is not None else None
+        proc = self.ops.workers.get(lr)
         if (not uuid and not pci_bus_id) or proc is None or proc.pid != pid:
             return
         key = (pid, uuid, pci_bus_id)
@@ -134,7 +148,7 @@ class GpuHealth:
             return
         before, self.assignment[lr], self.source[lr] = self.assignment.get(lr), idx, "report"
         moved = before != idx
-        self.a.events.emit("gpu_map", f"rank {rank} reports {self._label(idx)}" + (
+        self.events.emit("gpu_map", f"rank {rank} reports {self._label(idx)}" + (
             f"; CUDA_VISIBLE_DEVICES gave {self._label(before)}: using the report" if moved else ""),
             rank=rank, gpu=idx, uuid=self._uuid(idx), pci_bus_id=pci_bus_id, pid=pid,
             level=logging.INFO if moved else logging.DEBUG)
@@ -157,7 +171,7 @@ class GpuHealth:
         else:
             ev = GpuEvent("lost", idx, detail="declared lost by fault injection", synthetic=True)
             what = "GPU lost"
-        self.a.post(("gpu", ev))
+        self.post(("gpu", ev))
         return True, f"synthetic {what} on {self._label(idx)} (rank {rank})"
 
     # ------------------------------------------------------------------ actions
@@ -169,7 +183,7 @@ class GpuHealth:
         owners = self.owners(ev.device)
         where = self._label(ev.device) if ev.device is not None else "NVML"
         if ev.device is not None and ev.device not in {d.index for d in self.visible}:
-            self.a.events.emit("gpu_event", f"{where} (not visible to this job): {verdict.what}", level=logging.INFO,
+            self.events.emit("gpu_event", f"{where} (not visible to this job): {verdict.what}", level=logging.INFO,
                                gpu=ev.device, uuid=self._uuid(ev.device), xid=ev.xid, action=verdict.action)
             return
         if owners:
@@ -181,41 +195,40 @@ class GpuHealth:
                                   "action": verdict.action, "synthetic": ev.synthetic or None,
                                   "rank": self.offset + owners[0] if owners else None}
         if verdict.action in (WARN, INFO):
-            self.a.events.emit("gpu_event", f"{where}: {verdict.what}{tag}", level=_LEVEL[verdict.action], **fields)
+            self.events.emit("gpu_event", f"{where}: {verdict.what}{tag}", level=_LEVEL[verdict.action], **fields)
             return
         if ev.device in self.unusable:
-            self.a.events.emit("gpu_event", f"{where}: {verdict.what}{tag} (already unusable)", **fields)
+            self.events.emit("gpu_event", f"{where}: {verdict.what}{tag} (already unusable)", **fields)
             return
-        if verdict.action == GPU and ev.kind == "xid" and owners and ev.device not in self.suspect \
+        dev = ev.device
+        if verdict.action == GPU and ev.kind == "xid" and owners and dev is not None and dev not in self.suspect \
                 and not spares(self.visible, self.assignment, self.unusable):
-            self.suspect.add(ev.device)  # type: ignore[arg-type]
+            self.suspect.add(dev)
             verdict = Verdict(RANK, f"{verdict.what} - no spare GPU: the rank restarts on this GPU, now suspect "
                                     f"(a second fatal XID, or NVML finding it broken, ends this node with "
                                     f"{EXIT_NO_USABLE_GPU})")
             fields["action"] = RANK
-        if verdict.action == GPU:
-            self.unusable.add(ev.device)  # type: ignore[arg-type]
-        ending = self.a.phase in ("finishing", "done") or bool(self.a.stop_then and self.a.stop_then[0] == "exit")
+        if verdict.action == GPU and dev is not None:
+            self.unusable.add(dev)
+        ending = self.state.ending
         todo = ("the job is ending: no action" if ending or not owners else
                 "its rank must move to a spare GPU" if verdict.action == GPU else "replacing the rank's process")
         if verdict.action == GPU and not owners:
             todo = "no rank uses it: one spare GPU fewer"
-        self.a.events.emit("gpu_fault", f"{where}: {verdict.what}{tag}: {todo}", level=_LEVEL[verdict.action],
+        self.events.emit("gpu_fault", f"{where}: {verdict.what}{tag}: {todo}", level=_LEVEL[verdict.action],
                            **fields)
-        if owners and not ending:
-            self._act(verdict, ev.device, owners, tag)  # type: ignore[arg-type]
+        if owners and not ending and dev is not None:
+            self._act(verdict, dev, owners, tag)
 
     def _act(self, verdict: Verdict, index: int, owners: list[int], tag: str) -> None:
         """Replace each rank of `owners` (on a spare GPU when `index` is unusable), or end the node with 76."""
-        a = self.a
         for lr in owners:
             rank = self.offset + lr
-            proc = a.sup.workers.get(lr) if a.sup is not None else None
-            st = a.inproc.ranks.get(lr) if a.inproc is not None else None
+            proc = self.ops.workers.get(lr)
             cause = f"{self._label(index)}: {verdict.what}{tag}"
-            info = {"host": a.host, "rank": rank, "local_rank": lr, "pid": proc.pid if proc else None,
-                    "step": st.step if st is not None else None, "secondary": False, "gpu": self._label(index),
-                    "cause": cause, "summary": f"rank {rank}: {cause}", "exit_code": EXIT_RESTARTS_EXHAUSTED}
+            info = FailureInfo(host=self.host, rank=rank, local_rank=lr, pid=proc.pid if proc else None,
+                               step=self.ops.last_step(lr), secondary=False, gpu=self._label(index), cause=cause,
+                               summary=f"rank {rank}: {cause}", exit_code=EXIT_RESTARTS_EXHAUSTED)
             if index in self.unusable:
                 free = spares(self.visible, self.assignment, self.unusable)
                 if not free:
@@ -223,17 +236,16 @@ class GpuHealth:
                     msg = (f"rank {rank} (local rank {lr}) has no usable GPU: {cause}; no spare GPU on this node "
                            f"({len(self.visible)} visible, {usable} usable, {len(self.assignment)} local ranks): "
                            f"stopping this node's workers, exit code {EXIT_NO_USABLE_GPU} (replace this node)")
-                    a.events.emit("no_usable_gpu", msg, level=logging.ERROR, rank=rank, gpu=index,
-                                  uuid=self._uuid(index), exit_code=EXIT_NO_USABLE_GPU)
-                    if proc is not None and proc.alive:   # on a dead GPU it may never act on a polite signal
-                        a.sup.kill(proc)  # type: ignore[union-attr]
-                    a.fail_job(dict(info, summary=msg, cause=msg), EXIT_NO_USABLE_GPU)
+                    self.events.emit("no_usable_gpu", msg, level=logging.ERROR, rank=rank, gpu=index,
+                                     uuid=self._uuid(index), exit_code=EXIT_NO_USABLE_GPU)
+                    self.ops.kill(lr)   # on a dead GPU it may never act on a polite signal
+                    self.ops.fail_job(info.with_(summary=msg, cause=msg), EXIT_NO_USABLE_GPU)
                     return
                 self.assignment[lr], self.source[lr] = free[0], "spare"
-                a.events.emit("gpu_remap", f"rank {rank} moves from {self._label(index)} to spare "
-                              f"{self._label(free[0])}", rank=rank, gpu=free[0], uuid=self._uuid(free[0]),
-                              from_gpu=index, level=logging.WARNING)
-            a.rank_gpu_fault(lr, info)
+                self.events.emit("gpu_remap", f"rank {rank} moves from {self._label(index)} to spare "
+                                 f"{self._label(free[0])}", rank=rank, gpu=free[0], uuid=self._uuid(free[0]),
+                                 from_gpu=index, level=logging.WARNING)
+            self.ops.rank_fault(lr, info)
 
     # ------------------------------------------------------------------ end
     def report(self) -> None:
@@ -242,7 +254,7 @@ class GpuHealth:
             return
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "none"
         unusable = ", ".join(self._label(i) for i in sorted(self.unusable)) or "none"
-        self.a.events.emit("gpu_summary", f"GPU health: events {counts}; unusable GPUs: {unusable}",
+        self.events.emit("gpu_summary", f"GPU health: events {counts}; unusable GPUs: {unusable}",
                            counts=dict(self.counts), actions=dict(self.by_action),
                            unusable=[self._uuid(i) or i for i in sorted(self.unusable)],
                            polls=self.monitor.polls if self.monitor else None)

@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional
 
 from hyperpodrun.agent.reaper import kill_sessions, session_members
-from hyperpodrun.agent.supervisor import describe_exit
+from hyperpodrun.agent.supervisor import describe_exit, shell_code
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -102,7 +102,7 @@ def run_hook(kind: str, script: str, args: list[str], events: Any, sup: Any, shu
                 kill_sessions({proc.pid}, deadline_s=2.0)
             sup.reaper.remove(proc.pid)
         stopped = bool(forwarder.received)
-    status = 128 - code if code < 0 else code
+    status = shell_code(code)
     if status and stopped:
         events.emit(f"{kind}_stopped", f"{kind} script {script!r} stopped ({describe_exit(code)}) by the signal "
                     "hyperpodrun received", level=logging.WARNING, exit_code=status)

@@ -24,7 +24,7 @@ class NvmlUnavailable(HyperpodrunError):
     """NVML cannot be used on this machine (no library, no driver, no GPU); the message says why."""
 
 
-class DeviceQueryError(Exception):
+class DeviceQueryError(HyperpodrunError):
     """An NVML query about one GPU failed. `lost`: NVML says the GPU is gone (NVML_ERROR_GPU_IS_LOST)."""
 
     def __init__(self, index: int, detail: str, lost: bool = False) -> None:

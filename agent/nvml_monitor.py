@@ -1,7 +1,7 @@
 """The NVML monitor: a helper thread of the agent that watches the node's GPUs and posts `GpuEvent`s.
 
-It owns no job state (DESIGN §6): it only turns NVML observations into events for the agent's loop, which
-classifies them (agent/xid.py) and acts (agent/gpu_health.py). What it watches:
+It owns no job state (docs/ARCHITECTURE.md, "The agent"): it only turns NVML observations into events for
+the agent's loop, which classifies them (agent/xid.py) and acts (agent/gpu_health.py). What it watches:
 - XID events: blocks in nvmlEventSetWait with a short timeout (so it can stop), one event per XID;
 - every `interval` seconds, per GPU: the volatile uncorrectable ECC counter (an increase is an event), row
   remapping pending/failed (one event each, when it first appears), clocks event reasons (one throttle event
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from hyperpodrun.agent.nvml_backend import Backend, DeviceQueryError
 from hyperpodrun.agent.xid import THROTTLE_MASK, GpuEvent, throttle_reasons
@@ -29,7 +29,7 @@ WAIT_SLICE_S = 0.5
 class NvmlMonitor:
     """Watches the GPUs of `backend`; `post(("gpu", GpuEvent))` for everything worth the loop's attention."""
 
-    def __init__(self, backend: Backend, post: Callable[[tuple], None], interval: float = 5.0,
+    def __init__(self, backend: Backend, post: Callable[[tuple[str, Any]], None], interval: float = 5.0,
                  quiet_s: float = 30.0, lost_after: int = 3) -> None:
         self.backend = backend
         self.post = post

@@ -12,7 +12,7 @@ import sys
 import time
 
 
-def session_members(sids):
+def session_members(sids: "set[int]") -> "list[int]":
     """PIDs of live processes whose session id is in `sids`."""
     found = []
     for name in os.listdir("/proc"):
@@ -33,7 +33,7 @@ def session_members(sids):
     return found
 
 
-def kill_sessions(sids, deadline_s=5.0):
+def kill_sessions(sids: "set[int]", deadline_s: float = 5.0) -> None:
     """SIGKILL every process of the given sessions until none is left (or the deadline passes)."""
     end = time.monotonic() + deadline_s
     while True:
@@ -53,10 +53,10 @@ def kill_sessions(sids, deadline_s=5.0):
         time.sleep(0.01)
 
 
-def main():
+def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
-    sids = set()
+    sids: "set[int]" = set()
     for line in sys.stdin:
         parts = line.split()
         if len(parts) != 2 or not parts[1].isdigit():

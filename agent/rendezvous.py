@@ -1,4 +1,4 @@
-"""Node rendezvous with a fixed number of nodes: `static` and `c10d` (torchrun's multi-node commands).
+"""Node rendezvous with a fixed number of nodes: `local`, `static` and `c10d`, handlers in a registry.
 
 static: `--nnodes N --node-rank i --master-addr A --master-port P`; node 0 serves the coordination store
         at A:P. c10d: `--rdzv-endpoint H:P --nnodes N`; the agent on H serves the store, node ranks are
@@ -9,126 +9,164 @@ Before joining, the agents settle the job secret (hyperpodrun/auth.py): the user
 checked here through an HMAC of the run id, never the secret itself), or, without one, a random one the
 first agent puts in the store - which then protects nothing from whoever can reach the store, and the
 agent says so once.
+
+Each backend implements the Rendezvous port (agent/ports.py) and is registered under its name
+(`register_backend`); `rendezvous()` picks "local" for a single node, else `--rdzv-backend`. A new backend
+(dynamic membership, a Kubernetes one) is one more registration (docs/ARCHITECTURE.md, "Ports").
 """
 from __future__ import annotations
 
+import abc
 import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
 
 from hyperpodrun import auth, netaddr
+from hyperpodrun.agent import store_schema as K
 from hyperpodrun.agent import stores
+from hyperpodrun.agent.ports import KVStore, Rendezvous, RendezvousInfo
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import RendezvousError
+from hyperpodrun.errors import HyperpodrunError, RendezvousError
 
 log = logging.getLogger("hyperpodrun.agent")
-
-
-@dataclass
-class Rendezvous:
-    """The outcome: who this node is and how to reach the shared pieces."""
-
-    node_rank: int
-    nnodes: int
-    rank_offset: int
-    world_size: int
-    run_id: str
-    master_addr: str            # address the workers dial for their per-generation store
-    store: object               # coordination store (prefixed to this run)
-    store_host: bool            # this agent hosts the coordination store and the workers' stores
-    store_endpoint: tuple[str, int] | None  # (host, port) for helper threads' own connections; None: local
-    single_node: bool
-    bind_addr: str = netaddr.LOOPBACK       # where this agent's store servers listen (netaddr.py); "": none
-    secret: bytes = b""                     # the job secret (auth.py); never handed to workers
-    secret_warning: str = ""                # set when the secret was agreed through the store (one warning)
 
 
 def hostname() -> str:
     return socket.gethostname()
 
 
-class RendezvousInterrupted(Exception):
+class RendezvousInterrupted(HyperpodrunError):
     """The agent was told to stop (a signal) while it waited for the other nodes."""
 
 
-def rendezvous(cfg: LaunchConfig, stop_requested: Optional[Callable[[], bool]] = None) -> Rendezvous:
+#: rendezvous backends by name: a factory each (the Rendezvous port)
+_BACKENDS: dict[str, Callable[[], Rendezvous]] = {}
+
+
+def register_backend(name: str, factory: Callable[[], Rendezvous]) -> None:
+    """Make `name` a rendezvous backend (the name `--rdzv-backend` takes; "local" is the single-node one)."""
+    _BACKENDS[name] = factory
+
+
+def backend_for(cfg: LaunchConfig) -> Rendezvous:
+    """The handler of this launch: "local" on a single node, else the one --rdzv-backend names."""
+    name = "local" if cfg.single_node else cfg.rdzv_backend
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise RendezvousError(f"unknown rendezvous backend {name!r}; known: {', '.join(sorted(_BACKENDS))}") from None
+
+
+def rendezvous(cfg: LaunchConfig, stop_requested: Optional[Callable[[], bool]] = None) -> RendezvousInfo:
     """Meet the other agents (or not, on one node) and return this node's place in the job.
 
     While waiting for the other nodes, `stop_requested()` is polled so a signal ends the wait at once."""
-    run_id = cfg.rdzv_id
-    if cfg.single_node:
-        if run_id == "none":
-            run_id = str(uuid.uuid4())
-        # the workers' store listens on loopback only; MASTER_ADDR must lead there (README, Security)
-        return Rendezvous(node_rank=0, nnodes=1, rank_offset=0, world_size=cfg.nproc_per_node, run_id=run_id,
-                          master_addr=netaddr.single_node_master(cfg.master_addr),
-                          store=stores.prefixed(f"hyperpodrun/{run_id}/", stores.local_store()),
-                          store_host=True, store_endpoint=None, single_node=True,
-                          bind_addr=netaddr.single_node_bind(cfg.master_addr),
-                          secret=auth.job_secret(cfg.job_secret_file) or auth.new_secret())
+    return backend_for(cfg).join(cfg, stop_requested or (lambda: False))
 
-    if cfg.rdzv_backend == "static":
+
+class LocalRendezvous:
+    """One node: an in-memory coordination store, nothing to wait for."""
+
+    def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
+        run_id = str(uuid.uuid4()) if cfg.rdzv_id == "none" else cfg.rdzv_id
+        # the workers' store listens on loopback only; MASTER_ADDR must lead there (README, Security)
+        return RendezvousInfo(node_rank=0, nnodes=1, rank_offset=0, world_size=cfg.nproc_per_node, run_id=run_id,
+                              master_addr=netaddr.single_node_master(cfg.master_addr),
+                              store=stores.prefixed(K.run_prefix(run_id), stores.local_store()),
+                              store_host=True, store_endpoint=None, single_node=True,
+                              bind_addr=netaddr.single_node_bind(cfg.master_addr),
+                              secret=auth.job_secret(cfg.job_secret_file) or auth.new_secret())
+
+
+class _StoreRendezvous(abc.ABC):
+    """Several nodes meeting through a TCP coordination store: settle the job secret, take a node rank, say
+    how many workers this node runs, wait until every node has joined. Subclasses say who serves the store
+    and how node ranks are handed out."""
+
+    @abc.abstractmethod
+    def open_store(self, cfg: LaunchConfig) -> tuple[KVStore, bool, str, str, int]:
+        """-> (raw store, this agent serves it, the address it listens on or "", host, port)."""
+
+    @abc.abstractmethod
+    def node_rank(self, store: KVStore, cfg: LaunchConfig) -> int:
+        """This node's rank in the job (0..nnodes-1), taken through the store."""
+
+    def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
+        run_id = cfg.rdzv_id
+        raw, serve, bind, host, port = self.open_store(cfg)
+        store = stores.prefixed(K.run_prefix(run_id), raw)
+        store.set_timeout(timedelta(seconds=cfg.join_timeout))
+        secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id, f"{host}:{port}")
+        node_rank = self.node_rank(store, cfg)
+        store.set(K.rdzv_nproc(node_rank), str(cfg.nproc_per_node))
+        if store.add(K.RDZV_JOINED, 1) == cfg.nnodes:
+            store.set(K.RDZV_READY, "1")
+        log.info("node %d waiting for %d node(s) at %s:%d (up to %.0fs)", node_rank, cfg.nnodes, host, port,
+                 cfg.join_timeout)
+        deadline = time.monotonic() + cfg.join_timeout
+        while not store.check([K.RDZV_READY]):
+            if stop_requested():
+                raise RendezvousInterrupted()
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"not all {cfg.nnodes} nodes joined within {cfg.join_timeout:.0f}s; start "
+                                      "the other agents or raise --rdzv-conf join_timeout=SECONDS")
+            time.sleep(0.05)
+        counts = [int(store.get(K.rdzv_nproc(i))) for i in range(cfg.nnodes)]
+        return RendezvousInfo(node_rank=node_rank, nnodes=cfg.nnodes, rank_offset=sum(counts[:node_rank]),
+                              world_size=sum(counts), run_id=run_id, master_addr=host, store=store,
+                              store_host=serve, store_endpoint=(host, port), single_node=False, bind_addr=bind,
+                              secret=secret, secret_warning=warning)
+
+
+class StaticRendezvous(_StoreRendezvous):
+    """`--nnodes N --node-rank i --master-addr A --master-port P`: node 0 serves the store at A:P."""
+
+    def open_store(self, cfg: LaunchConfig) -> tuple[KVStore, bool, str, str, int]:
         host, port = cfg.master_addr, cfg.rdzv_port
         serve = cfg.node_rank == 0
         bind = netaddr.multi_node_bind(host, cfg.local_addr) if serve else ""
-        raw = stores.open_tcp_store(host, port, server=serve, timeout_s=cfg.join_timeout, bind=bind)
-    else:
+        return stores.open_tcp_store(host, port, server=serve, timeout_s=cfg.join_timeout, bind=bind), serve, \
+            bind, host, port
+
+    def node_rank(self, store: KVStore, cfg: LaunchConfig) -> int:
+        node_rank = int(cfg.node_rank or 0)
+        if store.add(K.rdzv_claim(node_rank), 1) > 1:
+            raise RendezvousError(f"two agents joined with --node-rank {node_rank}; give each node its own rank "
+                                  f"0..{cfg.nnodes - 1}")
+        return node_rank
+
+
+class C10dRendezvous(_StoreRendezvous):
+    """`--rdzv-endpoint H:P --nnodes N`: the agent on H serves the store; node ranks in join order."""
+
+    def open_store(self, cfg: LaunchConfig) -> tuple[KVStore, bool, str, str, int]:
         host, port = cfg.rdzv_host, cfg.rdzv_port
-        serve = False
-        raw = None
-        bind = ""
         if stores.is_local_host(host):
             bind = netaddr.multi_node_bind(host, cfg.local_addr)
             try:
-                raw = stores.open_tcp_store(host, port, server=True, timeout_s=cfg.join_timeout, bind=bind)
-                serve = True
+                return stores.open_tcp_store(host, port, server=True, timeout_s=cfg.join_timeout, bind=bind), True, \
+                    bind, host, port
             except RendezvousError:
-                raw, bind = None, ""  # another agent on this machine serves it: join as a client
-        if raw is None:
-            raw = stores.open_tcp_store(host, port, server=False, timeout_s=cfg.join_timeout)
-    store = stores.prefixed(f"hyperpodrun/{run_id}/", raw)
-    store.set_timeout(timedelta(seconds=cfg.join_timeout))
-    secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id, f"{host}:{port}")
+                pass  # another agent on this machine serves it: join as a client
+        return stores.open_tcp_store(host, port, server=False, timeout_s=cfg.join_timeout), False, "", host, port
 
-    if cfg.rdzv_backend == "static":
-        node_rank = int(cfg.node_rank or 0)
-        if store.add(f"rdzv/claim/{node_rank}", 1) > 1:
-            raise RendezvousError(f"two agents joined with --node-rank {node_rank}; give each node its own rank "
-                                  f"0..{cfg.nnodes - 1}")
-    else:
-        node_rank = store.add("rdzv/counter", 1) - 1
+    def node_rank(self, store: KVStore, cfg: LaunchConfig) -> int:
+        node_rank = store.add(K.RDZV_COUNTER, 1) - 1
         if node_rank >= cfg.nnodes:
-            raise RendezvousError(f"more agents joined run {run_id!r} than --nnodes {cfg.nnodes}; "
+            raise RendezvousError(f"more agents joined run {cfg.rdzv_id!r} than --nnodes {cfg.nnodes}; "
                                   "start exactly N agents or use a new --rdzv-id")
-    store.set(f"rdzv/nproc/{node_rank}", str(cfg.nproc_per_node))
-    if store.add("rdzv/joined", 1) == cfg.nnodes:
-        store.set("rdzv/ready", "1")
-    log.info("node %d waiting for %d node(s) at %s:%d (up to %.0fs)", node_rank, cfg.nnodes, host, port,
-             cfg.join_timeout)
-    deadline = time.monotonic() + cfg.join_timeout
-    while not store.check(["rdzv/ready"]):
-        if stop_requested is not None and stop_requested():
-            raise RendezvousInterrupted()
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"not all {cfg.nnodes} nodes joined within {cfg.join_timeout:.0f}s; start the "
-                                  "other agents or raise --rdzv-conf join_timeout=SECONDS")
-        time.sleep(0.05)
-    counts = [int(store.get(f"rdzv/nproc/{i}")) for i in range(cfg.nnodes)]
-    return Rendezvous(node_rank=node_rank, nnodes=cfg.nnodes, rank_offset=sum(counts[:node_rank]),
-                      world_size=sum(counts), run_id=run_id, master_addr=host, store=store, store_host=serve,
-                      store_endpoint=(host, port), single_node=False,
-                      bind_addr=bind, secret=secret,
-                      secret_warning=warning)
+        return node_rank
 
 
-_AUTH_KEY = "auth"
+register_backend("local", LocalRendezvous)
+register_backend("static", StaticRendezvous)
+register_backend("c10d", C10dRendezvous)
 
 
-def agree_secret(store: object, given: Optional[bytes], run_id: str, where: str) -> tuple[bytes, str]:
+def agree_secret(store: KVStore, given: Optional[bytes], run_id: str, where: str) -> tuple[bytes, str]:
     """The job secret every agent of the run uses -> (secret, warning or "").
 
     The first agent sets the store's `auth` record: "user:<HMAC of the run id>" with a user secret (the
@@ -138,7 +176,7 @@ def agree_secret(store: object, given: Optional[bytes], run_id: str, where: str)
         mine = "user:" + auth.derive(auth.derive(given, "check"), run_id).hex()
     else:
         mine = "agreed:" + auth.new_secret().decode()
-    got = store.compare_set(_AUTH_KEY, "", mine).decode()  # type: ignore[attr-defined]
+    got = store.compare_set(K.AUTH, "", mine).decode()
     fix = f"give every node the same secret ({auth.SECRET_ENV} or --job-secret-file)"
     if given is not None:
         if got == mine:

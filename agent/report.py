@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import Any, Optional
+from typing import Optional
 
+from hyperpodrun.agent.store_schema import FailureInfo
 from hyperpodrun.symptoms import looks_secondary
 
 
@@ -30,7 +31,7 @@ def read_error_file(path: Optional[str]) -> Optional[str]:
 TEARDOWN_ABORT_MARK = "terminate called without an active exception"
 
 
-def teardown_abort_hint(exit_code: Any, stderr_log: Optional[str]) -> Optional[str]:
+def teardown_abort_hint(exit_code: Optional[int], stderr_log: Optional[str]) -> Optional[str]:
     """What happened, when a rank died of SIGABRT with libstdc++'s "terminate called without an active
     exception" in its last stderr lines: torch's gloo worker thread dropped the last reference to a tensor
     after the interpreter had begun to exit (a torch race, the same under torchrun). None otherwise."""
@@ -46,15 +47,15 @@ def teardown_abort_hint(exit_code: Any, stderr_log: Optional[str]) -> Optional[s
             "does); under --inprocess-restart with HPWrapper such an abort after completion is not a failure")
 
 
-def failure_summary(info: dict[str, Any], with_traceback: bool = False) -> str:
+def failure_summary(info: FailureInfo, with_traceback: bool = False) -> str:
     """`rank 3 (local rank 3) on host h failed: exit code 7` (+ what a teardown abort is, + traceback)."""
-    text = (f"rank {info.get('rank')} (local rank {info.get('local_rank')}, pid {info.get('pid')}) on host "
-            f"{info.get('host')} failed: {info.get('cause')}")
-    hint = teardown_abort_hint(info.get("exit_code"), info.get("stderr_log"))
+    text = (f"rank {info.rank} (local rank {info.local_rank}, pid {info.pid}) on host "
+            f"{info.host} failed: {info.cause}")
+    hint = teardown_abort_hint(info.exit_code, info.stderr_log)
     if hint:
         text += f"; {hint}"
     if with_traceback:
-        trace = read_error_file(info.get("error_file"))
+        trace = read_error_file(info.error_file)
         if trace:
             text += "\n  worker traceback (from its error file):\n" + "\n".join(
                 "    " + line for line in trace.rstrip().splitlines())
@@ -102,36 +103,36 @@ class CauseWindow:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self.deadline: Optional[float] = None
-        self._seen: list[dict[str, Any]] = []
+        self._seen: list[FailureInfo] = []
 
     @property
     def open(self) -> bool:
         return self.deadline is not None
 
-    def add(self, info: dict[str, Any], now: float) -> Optional[dict[str, Any]]:
+    def add(self, info: FailureInfo, now: float) -> Optional[FailureInfo]:
         """A failed exit: returns the cause to act on now, or None to wait for a better one."""
         self._seen.append(info)
-        if not info.get("symptom") or self.grace_s <= 0:
+        if not info.symptom or self.grace_s <= 0:
             return self.take()
         if self.deadline is None:
             self.deadline = now + self.grace_s
         return None
 
-    def due(self, now: float) -> Optional[dict[str, Any]]:
+    def due(self, now: float) -> Optional[FailureInfo]:
         """The cause once the window has closed without a real failure; None while it is open."""
         if self.deadline is None or now < self.deadline:
             return None
         return self.take()
 
-    def take(self) -> Optional[dict[str, Any]]:
+    def take(self) -> Optional[FailureInfo]:
         """The cause among the failures seen (a real one first, else the first), with the others folded in."""
         if not self._seen:
             return None
-        real = [i for i in self._seen if not i.get("symptom")]
-        cause = dict((real or self._seen)[0])
-        others = [i for i in self._seen if i.get("rank") != cause.get("rank")]
+        real = [i for i in self._seen if not i.symptom]
+        cause = (real or self._seen)[0]
+        others = [i for i in self._seen if i.rank != cause.rank]
         if others:
-            cause["folded"] = [f"rank {i.get('rank')} {i.get('cause')}" for i in others]
+            cause = cause.with_(folded=tuple(f"rank {i.rank} {i.cause}" for i in others))
         self.clear()
         return cause
 

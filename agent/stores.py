@@ -1,10 +1,10 @@
 """Stores: one stable coordination store for the agents, one fresh store server per generation for workers.
 
-Why a fresh worker store per generation (DESIGN §3): torch's env:// init adds no per-attempt prefix, so
-reusing one store across generations makes a replacement rank dial stale peer addresses. A new server on
-a new port gives every generation a clean namespace; closing the old one releases any rank still
-waiting on it. The store is hosted by an agent, never by a worker, so any rank - rank 0 included - can
-die and be replaced.
+Why a fresh worker store per generation (docs/ARCHITECTURE.md, "Stores"): torch's env:// init adds no
+per-attempt prefix, so reusing one store across generations makes a replacement rank dial stale peer
+addresses. A new server on a new port gives every generation a clean namespace; closing the old one
+releases any rank still waiting on it. The store is hosted by an agent, never by a worker, so any rank -
+rank 0 included - can die and be replaced.
 
 Every server listens on one address only (hyperpodrun/netaddr.py decides which: loopback on one node, the
 job's interface with several): torch's TCPStore would listen on every interface whatever host it is
@@ -15,21 +15,24 @@ from __future__ import annotations
 import logging
 import socket
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hyperpodrun import netaddr
 from hyperpodrun.errors import RendezvousError
 
+if TYPE_CHECKING:
+    from hyperpodrun.agent.ports import KVStore
+
 log = logging.getLogger("hyperpodrun.agent")
 
 
-def _torch_dist():
+def _torch_dist() -> Any:
     import torch.distributed as dist  # the agent imports torch lazily: the CLI's usage errors stay fast
     return dist
 
 
 def open_tcp_store(host: str, port: int, *, server: bool, timeout_s: float, wait_for_workers: bool = False,
-                   bind: Optional[str] = None):
+                   bind: Optional[str] = None) -> "KVStore":
     """A TCPStore client or server; a clear RendezvousError instead of a torch traceback.
 
     A server listens on `bind` only (required for a server; "0.0.0.0" only where netaddr found no better)."""
@@ -57,12 +60,12 @@ def open_tcp_store(host: str, port: int, *, server: bool, timeout_s: float, wait
             "Check the address/port, that the port is free on the host node, and that the nodes can reach it.")
 
 
-def local_store():
+def local_store() -> "KVStore":
     """The coordination store of a single-node job: in memory, same API as TCPStore."""
     return _torch_dist().HashStore()
 
 
-def prefixed(prefix: str, store):
+def prefixed(prefix: str, store: "KVStore") -> "KVStore":
     return _torch_dist().PrefixStore(prefix, store)
 
 
@@ -74,13 +77,13 @@ def is_local_host(host: str) -> bool:
     if host in names:
         return True
     try:
-        target = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+        target = {str(ai[4][0]) for ai in socket.getaddrinfo(host, None)}
     except OSError:
         return False
     local: set[str] = set()
     for name in names:
         try:
-            local |= {ai[4][0] for ai in socket.getaddrinfo(name, None)}
+            local |= {str(ai[4][0]) for ai in socket.getaddrinfo(name, None)}
         except OSError:
             pass
     return bool(target & local) or any(a.startswith("127.") or a == "::1" for a in target)
@@ -91,15 +94,15 @@ class WorkerStores:
 
     def __init__(self, bind_host: str) -> None:
         self._bind_host = bind_host       # loopback on one node, the job's interface with several
-        self._servers: dict[int, object] = {}
+        self._servers: dict[int, Any] = {}
 
     def open(self, generation: int) -> int:
         """Start generation `generation`'s server; returns its port. Older servers are closed."""
-        store = open_tcp_store(self._bind_host, 0, server=True, timeout_s=60, bind=self._bind_host)
+        store: Any = open_tcp_store(self._bind_host, 0, server=True, timeout_s=60, bind=self._bind_host)
         self._servers[generation] = store
         for g in [g for g in self._servers if g < generation]:
             self.close(g)
-        return int(store.port)  # type: ignore[attr-defined]
+        return int(store.port)
 
     def close(self, generation: int) -> None:
         self._servers.pop(generation, None)

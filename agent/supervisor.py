@@ -57,8 +57,9 @@ class WorkerProcess:
     local_rank: int
     rank: int
     generation: int
-    popen: Any   # subprocess.Popen, or warm_spawner.AdoptedProcess
+    popen: Any   # subprocess.Popen, or warm_spawner.AdoptedProcess: .pid and .poll()
     started: float = field(default_factory=time.monotonic)
+    source: str = "cold"      # the WorkerSource it came from (agent/sources.py)
     pidfd: Optional[int] = None
     returncode: Optional[int] = None
     signalled: bool = False   # we sent it a signal (shutdown, restart): its death is not the root cause
@@ -132,11 +133,11 @@ class Supervisor:
             raise WorkerSpawnError(f"cannot start local rank {local_rank} ({argv[0]!r}): {exc.strerror}") from exc
         return self.adopt(local_rank, rank, generation, popen)
 
-    def adopt(self, local_rank: int, rank: int, generation: int, popen: Any) -> WorkerProcess:
+    def adopt(self, local_rank: int, rank: int, generation: int, popen: Any, source: str = "cold") -> WorkerProcess:
         """Track a worker process as the live incarnation of `local_rank`: one we started, or the warm
         spawner's fork, re-parented to this subreaper. `popen` has .pid and .poll() like subprocess.Popen."""
         self.reaper.add(popen.pid)
-        proc = WorkerProcess(local_rank=local_rank, rank=rank, generation=generation, popen=popen)
+        proc = WorkerProcess(local_rank=local_rank, rank=rank, generation=generation, popen=popen, source=source)
         try:
             proc.pidfd = os.pidfd_open(popen.pid)
         except (AttributeError, OSError):

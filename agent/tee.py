@@ -8,6 +8,12 @@ a log file or the console it drops that output, says so once (`on_problem`, whic
 event log and on stderr) and keeps going. Console lines go through their own writer thread and a bounded
 queue, so a console that blocks (a stdout pipe nobody reads) or is closed never stops the pump - and never
 the workers behind it. A partial last line is held until its newline or until the stream ends.
+
+The agent's own log lines take the same road (`ConsoleLogHandler`): a stderr that nobody reads must not
+stop the agent's loop in the middle of a log call, where it could no longer supervise anything. The rule
+that keeps the loop free: no thread ever writes to a console while holding a lock that another thread
+takes - the writer thread of a Console holds none while it writes, and `Console.put` only appends to a
+bounded queue (dropping what does not fit).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import logging
 import os
 import selectors
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -45,34 +52,51 @@ def worker_pipe() -> tuple[int, int]:
 
 
 class Console:
-    """Writes console lines from a bounded queue in its own thread (one per console fd)."""
+    """Writes console lines from a bounded queue in its own thread (one per console fd).
 
-    def __init__(self, fd: int, on_problem: Callable[[str, str], None]) -> None:
+    `put` never blocks: it appends to the queue, or drops the data when `max_bytes` are already waiting
+    (counted in `dropped`, reported through `on_problem("console-slow", ...)`, called outside any lock). The
+    writer thread holds no lock while it writes, so a blocked fd blocks only that thread."""
+
+    def __init__(self, fd: int, on_problem: Callable[[str, str], None], what: str = "workers' output",
+                 max_bytes: int = CONSOLE_QUEUE_BYTES) -> None:
         self.fd = fd
+        self.what = what
+        self.max_bytes = max_bytes
+        #: puts dropped because the queue was full (the writer did not keep up)
+        self.dropped = 0
         self._on_problem = on_problem
         self._queue: "collections.deque[bytes]" = collections.deque()
         self._queued = 0
         self._cond = threading.Condition()
+        self._writing = False
         self._broken = False
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"hyperpodrun-console-{fd}", daemon=True)
         self._thread.start()
 
     def put(self, data: bytes) -> None:
+        """Queue `data` for the console; never blocks."""
         with self._cond:
             if self._broken:
                 return
-            if self._queued + len(data) > CONSOLE_QUEUE_BYTES:
-                self._on_problem("console-slow", f"the console (fd {self.fd}) does not keep up with the workers' "
-                                 "output (a blocked stdout?): dropping console lines; the log files keep them")
-                return
-            self._queue.append(data)
-            self._queued += len(data)
-            self._cond.notify()
+            full = self._queued + len(data) > self.max_bytes
+            if full:
+                self.dropped += 1
+            else:
+                self._queue.append(data)
+                self._queued += len(data)
+                self._cond.notify()
+        if full:
+            stream = {1: "stdout", 2: "stderr"}.get(self.fd, "pipe")
+            self._on_problem("console-slow", f"the console (fd {self.fd}) does not keep up with the {self.what} "
+                             f"(a blocked {stream}?): dropping console lines; the log files keep them")
 
     def _run(self) -> None:
         while True:
             with self._cond:
+                self._writing = False
+                self._cond.notify_all()
                 while not self._queue and not self._closing:
                     self._cond.wait()
                 if not self._queue:
@@ -80,25 +104,71 @@ class Console:
                 data = b"".join(self._queue)
                 self._queue.clear()
                 self._queued = 0
-            try:
+                self._writing = True
+            try:   # no lock held: a blocked fd blocks this thread only
                 view = memoryview(data)
                 while view:
                     view = view[os.write(self.fd, view):]
             except OSError as exc:
                 with self._cond:
                     self._broken = True
+                    self._writing = False
                     self._queue.clear()
                     self._queued = 0
-                self._on_problem("console-broken", f"cannot write workers' output to the console (fd {self.fd}): "
+                    self._cond.notify_all()
+                self._on_problem("console-broken", f"cannot write {self.what} to the console (fd {self.fd}): "
                                  f"{exc.strerror or exc}; dropping it from the console (the log files keep it)")
                 return
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Wait until everything queued is written (at most `timeout` s); False if it was not."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while (self._queue or self._writing) and not self._broken and self._thread.is_alive():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def close(self, timeout: float = 2.0) -> None:
         """Write what is queued (for at most `timeout` s: a blocked console is left behind)."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
-        self._thread.join(timeout)
+            self._cond.notify_all()
+        self._thread.join(max(0.0, timeout))
+
+
+class ConsoleLogHandler(logging.Handler):
+    """A logging handler that never blocks the thread that logs: records are formatted in the caller and
+    written by a Console's writer thread (see the module doc). When the fd does not keep up, lines are
+    dropped and the next line written says how many; on a closed or broken fd they are dropped silently
+    (there is nowhere left to say so)."""
+
+    def __init__(self, fd: int = 2, max_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        self._noted = 0
+        self.console = Console(fd, lambda _kind, _message: None, what="agent's log lines", max_bytes=max_bytes)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:   # never handleError(): it writes to sys.stderr, which may be the blocked fd
+            return
+        dropped = self.console.dropped
+        if dropped > self._noted:
+            self._noted = dropped
+            line = (f"[hyperpodrun] {dropped} log line(s) dropped so far: the console (fd {self.console.fd}) did "
+                    "not keep up (the event log keeps every event)\n" + line)
+        self.console.put((line + "\n").encode(errors="replace"))
+
+    def flush(self) -> None:
+        self.console.flush(timeout=0.5)
+
+    def close(self) -> None:
+        """Write what is queued, for at most 2 s (a console nobody reads does not hold up the exit)."""
+        self.console.close(timeout=2.0)
+        super().close()
 
 
 @dataclass
@@ -279,8 +349,9 @@ class Tee:
         except OSError:
             pass
         self._thread.join(timeout=2)
+        end = time.monotonic() + 2.0   # for all consoles together: blocked ones are left behind
         for console in list(self._consoles.values()):
-            console.close()
+            console.close(timeout=end - time.monotonic())
         self._sel.close()
         for fd in (self._wake_r, self._wake_w):
             try:

@@ -22,13 +22,14 @@ import sys
 from typing import Any, Optional
 
 from hyperpodrun import safe_fs
+from hyperpodrun.errors import HyperpodrunError
 
 log = logging.getLogger("hyperpodrun.agent")
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
 
 
-class WarmSpawnError(RuntimeError):
+class WarmSpawnError(HyperpodrunError, RuntimeError):
     """The zygote could not fork the worker; the caller starts it the normal way."""
 
 
@@ -43,15 +44,16 @@ class WarmSpawner:
 
     def __init__(self, env: dict[str, str], script: str, log_path: Optional[str]) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        err = safe_fs.append_file(log_path) if log_path else subprocess.DEVNULL
+        err = safe_fs.append_file(log_path) if log_path else None
         try:
             self.proc = subprocess.Popen([sys.executable, "-u", ZYGOTE, str(theirs.fileno()), script], env=env,
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                                         stdout=subprocess.DEVNULL, start_new_session=True,
+                                         stderr=err if err is not None else subprocess.DEVNULL)
         finally:
             theirs.close()
-            if err is not subprocess.DEVNULL:
-                err.close()   # type: ignore[union-attr]
+            if err is not None:
+                err.close()
         self.ready: Optional[dict[str, Any]] = None
         self.broken = False
 
@@ -136,9 +138,3 @@ class AdoptedProcess:
             return None
         self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.pid, 9)
-        except ProcessLookupError:
-            pass

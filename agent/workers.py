@@ -10,13 +10,13 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from hyperpodrun import safe_fs
 from hyperpodrun.agent import warm_spawner
-from hyperpodrun.agent.rendezvous import Rendezvous
+from hyperpodrun.agent.ports import Events, RendezvousInfo, SpawnRequest, WorkerSource
+from hyperpodrun.agent.sources import ColdSpawn, WarmFork
 from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
-from hyperpodrun.agent.warm_spawner import AdoptedProcess
 from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
 from hyperpodrun.env import WorkerIdentity, hand_down_key, inprocess_env_overrides, worker_env
@@ -34,12 +34,13 @@ def worker_argv(cfg: LaunchConfig) -> list[str]:
 
 
 class WorkerLauncher:
-    """Spawns this node's workers for a generation and wires their logs."""
+    """Spawns this node's workers for a generation and wires their logs (the Launcher port). The processes
+    come from its worker sources: the fast ones first for a respawn (warm fork), else a cold spawn."""
 
-    def __init__(self, cfg: LaunchConfig, rdzv: Rendezvous, run_dir: str, host: str, sup: Supervisor, tee: Tee,
-                 events: Any, control: Optional[str] = None,
+    def __init__(self, cfg: LaunchConfig, rdzv: RendezvousInfo, run_dir: str, host: str, sup: Supervisor, tee: Tee,
+                 events: Events, control: Optional[str] = None,
                  on_spawn: Optional[Callable[[int, int], None]] = None,
-                 env_for: Optional[Callable[[int], dict[str, str]]] = None) -> None:
+                 env_for: Optional[Callable[[int], dict[str, str]]] = None, subreaper: bool = False) -> None:
         self.cfg = cfg
         self.rdzv = rdzv
         self.run_dir = run_dir
@@ -51,9 +52,11 @@ class WorkerLauncher:
         self.on_spawn = on_spawn
         self.env_for = env_for      # per-rank additions (a rank moved to a spare GPU: CUDA_VISIBLE_DEVICES)
         self.argv = worker_argv(cfg)
-        self.warm: Optional[warm_spawner.WarmSpawner] = None
-        self._warm_noted = False
         self.base_env = self._base_env()
+        self.cold = ColdSpawn(sup)
+        self.warm = WarmFork(sup, events, self.base_env, self.argv, os.path.join(run_dir, "warm_spawner.log"),
+                             usable=subreaper and warm_spawner.enabled() and not cfg.module and not cfg.no_python)
+        self.fast: list[WorkerSource] = [self.warm]   # tried first for a respawn
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
         self._streams: dict[int, list[int]] = {}   # pid -> its tee streams (pipes)
 
@@ -124,65 +127,43 @@ class WorkerLauncher:
                 r, w = worker_pipe()
                 ends.append(w)
                 streams.append(self.tee.attach(r, path, console if teed & bit else None, prefix))
-            proc = self._warm_spawn(local_rank, who.rank, generation, env, ends) if warm else None
+            req = SpawnRequest(local_rank=local_rank, rank=who.rank, generation=generation, argv=self.argv, env=env,
+                               stdout=ends[0], stderr=ends[1])
+            proc = next((p for p in (source.spawn(req) for source in self.fast) if p is not None), None) \
+                if warm else None
             if proc is None:
-                proc = self.sup.spawn(local_rank, who.rank, generation, self.argv, env, ends[0], ends[1])
+                proc = self.cold.spawn(req)   # always serves (or raises WorkerSpawnError)
         except BaseException:
             for key in streams:
                 self.tee.release(key)
             raise
         finally:
-            for w in ends:
-                if w is not None:
-                    os.close(w)
+            for end in ends:
+                if end is not None:
+                    os.close(end)
         self._paths[proc.pid] = (out, err, error_file)
         self._streams[proc.pid] = streams
         if self.on_spawn is not None:
             self.on_spawn(local_rank, proc.pid)
-        warmed = isinstance(proc.popen, AdoptedProcess)
+        warmed = proc.source == self.warm.name
         self.events.emit("worker_start", f"rank {who.rank} started (pid {proc.pid}, generation {generation}"
                          f"{', forked warm' if warmed else ''})", rank=who.rank, pid=proc.pid, generation=generation,
                          warm=warmed, level=logging.DEBUG)
         return proc
 
     def start_warm_spawner(self) -> None:
-        """Start the zygote that forks respawned workers (plain `python script` entry points only)."""
-        if self.warm is not None or not warm_spawner.enabled() or self.cfg.module or self.cfg.no_python:
-            return
-        self.warm = warm_spawner.WarmSpawner(self.base_env, self.argv[2],
-                                             os.path.join(self.run_dir, "warm_spawner.log"))
-        self.sup.track_extra(self.warm.pid)
-        self.sup.reaper.add(self.warm.pid)
+        """Start the zygote that forks respawned workers (agent/sources.py, WarmFork)."""
+        self.warm.start()
 
     def poll_warm_spawner(self) -> None:
-        """Note once in the event log when the warm spawner has done its imports (respawns are warm from then)."""
-        w = self.warm
-        if w is None or self._warm_noted or not w.check_ready():
-            return
-        self._warm_noted = True
-        info = w.ready or {}
-        failed = info.get("failed") or []
-        self.events.emit("warm_ready", f"warm respawns ready: imports took {info.get('import_s')} s"
-                         f"{'; not imported: ' + '; '.join(failed) if failed else ''}",
-                         import_s=info.get("import_s"), pid=w.pid, level=logging.DEBUG)
+        self.warm.poll()
+
+    def end_warm_spawner(self) -> None:
+        """The job completed: no respawn is coming, the zygote goes at once."""
+        self.warm.end()
 
     def stop_warm_spawner(self) -> None:
-        if self.warm is not None:
-            self.warm.close()
-            self.sup.reaper.remove(self.warm.pid)
-            self.warm = None
-
-    def _warm_spawn(self, local_rank: int, rank: int, generation: int, env: dict[str, str],
-                    ends: list[Optional[int]]) -> Optional[WorkerProcess]:
-        if self.warm is None:
-            return None
-        fds = [fd if fd is not None else std for fd, std in zip(ends, (1, 2))]
-        try:
-            pid = self.warm.spawn(self.argv[2:], env, os.getcwd(), fds[0], fds[1])
-        except warm_spawner.WarmSpawnError as exc:
-            log.info("rank %d: starting it the normal way: %s", rank, exc)
-            return None
-        return self.sup.adopt(local_rank, rank, generation, AdoptedProcess(pid))
+        self.warm.stop()
 
     def spawn_all(self, generation: int, store_port: int) -> None:
         for lr in range(self.cfg.nproc_per_node):

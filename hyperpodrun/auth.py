@@ -32,29 +32,15 @@ import stat
 import struct
 from typing import Mapping, Optional
 
-from hyperpodrun.errors import ConfigError, HyperpodrunError
+from hyperpodrun import settings
+from hyperpodrun.errors import AuthError, ConfigError
+from hyperpodrun.settings import MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV  # noqa: F401 (re-exported)
 
-#: environment variable with the user's job secret (the same on every node)
-SECRET_ENV = "HYPERPODRUN_JOB_SECRET"
 #: environment variable through which an agent hands the workers' key to its own children (hex)
 WORKER_KEY_ENV = "HYPERPODRUN_JOB_KEY"
 
-MIN_SECRET_BYTES = 16
-MAX_SECRET_BYTES = 4096
 _NONCE = 32
 _MAC = hashlib.sha256().digest_size
-
-
-class AuthError(HyperpodrunError):
-    """A peer did not prove it knows the job's key, or a signed value does not verify."""
-
-
-def _check_secret(secret: bytes, where: str) -> bytes:
-    secret = secret.strip()
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{where}: the job secret has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
-                          "(e.g. `openssl rand -hex 32`)")
-    return secret
 
 
 def read_secret_file(path: str) -> bytes:
@@ -75,20 +61,21 @@ def read_secret_file(path: str) -> bytes:
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)
-    return _check_secret(data, f"{flag} {path!r}")
+    return settings.check_secret(data, f"{flag} {path!r}")
 
 
-def job_secret(secret_file: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
-    """The user's job secret (file first, then HYPERPODRUN_JOB_SECRET), or None when none was given."""
+def job_secret(secret_file: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """The user's job secret (file first, then HYPERPODRUN_JOB_SECRET, read by hyperpodrun/settings.py), or
+    None when none was given. `environ`: read the variable from there instead of this process's settings."""
     if secret_file:
         return read_secret_file(secret_file)
-    value = environ.get(SECRET_ENV)
-    if value:
-        return _check_secret(value.encode(), SECRET_ENV)
-    return None
+    if environ is None:
+        return settings.job_secret()
+    value = settings.read("job_secret", environ)
+    return value.get_secret_value() if value is not None else None
 
 
-def checked_secret_file(secret_file: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[str]:
+def checked_secret_file(secret_file: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """`secret_file` once the secret it names (or HYPERPODRUN_JOB_SECRET) is usable: the CLI checks it before
     the agent starts, so a bad secret is a usage error (ConfigError) and not a failure of the job."""
     job_secret(secret_file, environ)
@@ -105,15 +92,11 @@ def derive(key: bytes, purpose: str) -> bytes:
     return hmac.new(key, b"hyperpodrun/" + purpose.encode(), hashlib.sha256).digest()
 
 
-def worker_key(environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
-    """In a worker: the key its agent handed down, or None outside hyperpodrun."""
-    value = environ.get(WORKER_KEY_ENV)
-    if not value:
-        return None
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise ConfigError(f"{WORKER_KEY_ENV} is not hex; it is set by hyperpodrun, do not set it yourself")
+def worker_key(environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """In a worker: the key its agent handed down (HYPERPODRUN_JOB_KEY, hyperpodrun/env.py), or None outside
+    hyperpodrun."""
+    from hyperpodrun import env
+    return env.worker_context(environ).job_key
 
 
 # ------------------------------------------------------------------ signed values (store records)

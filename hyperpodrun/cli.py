@@ -45,14 +45,10 @@ def topt(flag: str, *short: str, **kw: Any):
     return click.option(*_names(flag, *short), envvar=_pet(flag), show_envvar=False, **kw)
 
 
-def oopt(flag: str, *short: str, **kw: Any):
-    """One of our options: both spellings, PET_* and HYPERPODRUN_* environment defaults."""
-    env = [_pet(flag), "HYPERPODRUN_" + flag[2:].replace("-", "_").upper()]
+def oopt(flag: str, *short: str, also_env: tuple[str, ...] = (), **kw: Any):
+    """One of our options: both spellings, PET_* and HYPERPODRUN_* environment defaults (then `also_env`)."""
+    env = [_pet(flag), "HYPERPODRUN_" + flag[2:].replace("-", "_").upper(), *also_env]
     return click.option(*_names(flag, *short), envvar=env, show_envvar=False, **kw)
-
-
-def _fail(message: str) -> "click.UsageError":
-    return click.UsageError(message)
 
 
 class _LaunchCommand(click.Command):
@@ -120,7 +116,8 @@ OFF = "off"
 @topt("--numa-binding", default=None, hidden=True)
 @topt("--virtual-local-rank", is_flag=True, hidden=True, show_default=False)
 @topt("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers.")
-@oopt("--shutdown-timeout", default=None, metavar="SECONDS", show_default="$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30",
+@oopt("--shutdown-timeout", also_env=("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",), default=None, metavar="SECONDS",
+      show_default="$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30",
       help="Seconds between the shutdown signal and SIGKILL.")
 @oopt("--shutdown-signal", default="SIGTERM", help="Signal a restart or stop sends first (name or number).")
 @oopt("--inprocess-restart", is_flag=True, show_default=OFF, help="Restart healthy workers in-process on a fault.")
@@ -150,13 +147,8 @@ def launch(training_script: str, training_script_args: tuple[str, ...], **opts: 
     try:
         settings.use(settings.load())
         cfg = build_config(opts, training_script, training_script_args, _env_sources(click.get_current_context()))
-    except ConfigError as exc:
-        raise _fail(str(exc))
-    if cfg.health_check == "nvml":
-        from hyperpodrun.agent.nvml_backend import NVML_FIX, probe_nvml
-        problem = probe_nvml()
-        if problem:
-            raise _fail(f"--health-check nvml: {problem}. Fix: {NVML_FIX}")
+    except ConfigError as exc:   # every check is LaunchConfig's (hyperpodrun/config.py): print its one line
+        raise click.UsageError(str(exc)) from None
     _setup_logging()
     _import_torch_quietly()
     from hyperpodrun.agent.agent import Agent  # the agent (and torch) load only once the flags are valid
@@ -194,7 +186,14 @@ _CLOSED_STD_FDS: list[int] = []
 
 
 def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    """The agent's log lines go to stderr through a writer thread (agent/tee.py, ConsoleLogHandler): a stderr
+    that nobody reads drops lines instead of freezing the agent's supervision loop in a log call."""
+    from hyperpodrun.agent.tee import ConsoleLogHandler
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is an OSError
+        fd = 2
+    handler = ConsoleLogHandler(fd)
     handler.setFormatter(logging.Formatter("[hyperpodrun %(asctime)s] %(message)s", "%H:%M:%S"))
     root = logging.getLogger("hyperpodrun")
     root.handlers[:] = [handler]

@@ -1,22 +1,30 @@
-"""Validated launch configuration: what the CLI hands to the agent.
+"""Validated launch configuration: what the CLI hands to the agent, and every check of it.
 
-Every flag ends up here; validation errors carry the flag's name and the fix, so the CLI can print them
-as one short usage error (exit 2) instead of a traceback.
+LaunchConfig owns all validation of a launch, as pydantic validators:
+- field validators turn a flag's text into the field's value (`--nproc-per-node auto`, `--tee 0:3,1:0`,
+  `--shutdown-signal TERM`; hyperpodrun/flag_syntax.py), and the field constraints bound every number;
+- `_from_flags` (before the fields, only for `LaunchConfig.from_flags`) refuses the flags hyperpodrun does not
+  support and derives the topology fields (rendezvous host and port, node rank, master address) from
+  torchrun's flags;
+- `_check_together` (after the fields) checks what involves several of them;
+- `_check_host` (after, only for `from_flags`) checks them against this machine: the script exists, the
+  log directory takes data, the job secret is usable, NVML loads (hyperpodrun/host_checks.py).
+A problem is one line naming the flag (and the environment variable its value came from) and the fix: a
+ConfigError raised by a validator passes through pydantic unchanged; a bound that does not hold becomes
+one through `describe_validation_error`. The CLI prints it and exits 2.
 """
 from __future__ import annotations
 
-import os
-import re
 import signal
-import stat
-import tempfile
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from hyperpodrun.errors import ConfigError
-
-STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
+from hyperpodrun.flag_syntax import (ACCEPTED_ONLY, STD_ALL, STD_ERR, STD_NONE, STD_OUT, UNSUPPORTED, parse_conf,
+                                     parse_endpoint, parse_nnodes, parse_rank_list, parse_signal, parse_signal_list,
+                                     parse_std_map, split_args)
+from hyperpodrun.host_checks import count_workers, default_log_dir, own_address, private_log_base, temp_log_base
 
 # Bounds of the numeric flags (README, Flags). A value past them is a typo or an overflow, never a job: an
 # agent asked for 10**20 workers would grow until the OOM killer ends it, a timeout of 1e400 s never fires.
@@ -31,126 +39,12 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 #: every polling interval: at least 1 ms (a busy loop otherwise), at most one hour
 MIN_INTERVAL_S = 0.001
 MAX_INTERVAL_S = 3600.0
+#: --rdzv-conf join_timeout when not given
+DEFAULT_JOIN_TIMEOUT_S = 600.0
 
 #: how each LaunchConfig field is spelt on the command line, where it is not --<field-with-dashes>
 FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "rdzv_port": "--master-port/--rdzv-endpoint port",
                  "entrypoint": "TRAINING_SCRIPT", "rdzv_host": "--rdzv-endpoint host"}
-
-
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """`N` or `MIN:MAX` -> (min, max). Elastic ranges are refused by the caller, not here."""
-    text = str(value).strip()
-    parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            lo = hi = int(parts[0])
-        elif len(parts) == 2:
-            lo, hi = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(f"--nnodes {value!r} is not a number of nodes; use N or N:N (e.g. --nnodes 2)")
-    if lo < 1 or hi < lo:
-        raise ConfigError(f"--nnodes {value!r}: need 1 <= MIN <= MAX (e.g. --nnodes 2 or 2:2)")
-    return lo, hi
-
-
-def parse_std_map(value: str, flag: str, nproc: int) -> dict[int, int]:
-    """torchrun's `-r/-t` syntax: `3` for every local rank, or `0:3,1:0` per local rank."""
-    text = str(value).strip()
-    allowed = "0 (none), 1 (stdout), 2 (stderr) or 3 (both)"
-    if re.fullmatch(r"[0-3]", text):
-        return {lr: int(text) for lr in range(nproc)}
-    out: dict[int, int] = {lr: STD_NONE for lr in range(nproc)}
-    if not text:
-        raise ConfigError(f"{flag} is empty; use {allowed}, or a per-rank map such as 0:3,1:0")
-    for item in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-3])\s*", item)
-        if not m:
-            raise ConfigError(
-                f"{flag} {value!r}: {item!r} is not LOCAL_RANK:MODE; MODE is {allowed} (e.g. {flag} 0:3,1:0)")
-        lr, mode = int(m.group(1)), int(m.group(2))
-        if lr >= nproc:
-            raise ConfigError(f"{flag} {value!r}: local rank {lr} does not exist with {nproc} processes per node")
-        out[lr] = mode
-    return out
-
-
-def parse_signal(value: str | int, flag: str = "--shutdown-signal") -> int:
-    """`SIGTERM`, `TERM`, `15` -> 15."""
-    text = str(value).strip()
-    if text.isdigit():
-        num = int(text)
-        try:
-            signal.Signals(num)
-        except ValueError:
-            raise ConfigError(f"{flag} {value!r} is not a signal number on this system (e.g. 15 or SIGTERM)")
-        return num
-    name = text.upper()
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    try:
-        return int(signal.Signals[name])
-    except KeyError:
-        raise ConfigError(f"{flag} {value!r} is not a signal name (e.g. SIGTERM, SIGINT, SIGKILL, SIGUSR1)")
-
-
-def parse_endpoint(value: str, default_port: int = 29400) -> tuple[str, int]:
-    """`host:port`, `host`, `[v6]:port` -> (host, port)."""
-    text = value.strip()
-    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", text)
-    if m:
-        host, port = m.group(1), m.group(2)
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    else:
-        host, port = text, None
-    if not host:
-        raise ConfigError(f"--rdzv-endpoint {value!r} has no host; use HOST:PORT (e.g. 10.0.0.1:29400)")
-    try:
-        p = int(port) if port not in (None, "") else default_port
-    except ValueError:
-        raise ConfigError(f"--rdzv-endpoint {value!r}: port {port!r} is not a number; use HOST:PORT")
-    if not 0 <= p <= 65535:
-        raise ConfigError(f"--rdzv-endpoint {value!r}: port must be 0-65535")
-    return host, p
-
-
-def temp_log_base() -> str:
-    """The per-user log directory in the temp dir (`$TMPDIR/hyperpodrun-logs-<uid>`): a predictable path in a
-    directory every user can write, so it is kept ours alone (`private_log_base`)."""
-    return os.path.join(tempfile.gettempdir(), f"hyperpodrun-logs-{os.getuid()}")
-
-
-def default_log_dir(create: bool = False) -> str:
-    """Where logs go without --log-dir; `hyperpodrun logs` looks here by default too.
-
-    HYPERPODRUN_LOG_DIR / PET_LOG_DIR are the user's, like --log-dir; otherwise the per-user temp dir, which
-    `create=True` makes (or accepts) as ours alone - ConfigError when another user got there first."""
-    env = os.environ.get("HYPERPODRUN_LOG_DIR") or os.environ.get("PET_LOG_DIR")
-    if env:
-        return env
-    return private_log_base() if create else temp_log_base()
-
-
-def private_log_base() -> str:
-    """Create `temp_log_base()` 0700, or accept it only when it is a real directory of ours that nobody else
-    can write (one of ours that is merely readable by others, from an older version, is narrowed to 0700)."""
-    from hyperpodrun import safe_fs
-    path = temp_log_base()
-    try:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            pass
-        else:
-            if (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077
-                    and not st.st_mode & 0o022):
-                os.chmod(path, 0o700)
-        return safe_fs.private_dir(path)
-    except (OSError, safe_fs.UnsafePathError) as exc:
-        raise ConfigError(f"the default log directory is not safe to use: {exc}; or give --log-dir DIR")
-
 
 _WEEK = f"a finite number of seconds, more than 0 and at most {MAX_TIMEOUT_S:.0f} (one week)"
 _INTERVAL = f"a number of seconds from {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:.0f}"
@@ -197,6 +91,92 @@ def describe_validation_error(exc: ValidationError, sources: Optional[dict[str, 
     return "; ".join(dict.fromkeys(parts))
 
 
+def _flag_mode(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("flags"))
+
+
+def _refuse_unsupported(flags: dict[str, Any]) -> None:
+    """The refused torchrun flags, and the accepted-only ones with a value they do not take."""
+    for key, (flag, why) in UNSUPPORTED.items():
+        if flags.pop(key, None):
+            raise ConfigError(f"{flag} is not supported by hyperpodrun ({why}); drop it (see README, "
+                              "'Differences from torchrun')")
+    handler = flags.pop("event_log_handler", None)
+    if handler not in ACCEPTED_ONLY["event_log_handler"]:
+        raise ConfigError(f"--event-log-handler {handler!r} is not supported; hyperpodrun writes "
+                          "its own event log (hyperpodrun logs --events)")
+    if flags.pop("start_method", "spawn") not in ACCEPTED_ONLY["start_method"]:
+        raise ConfigError("--start-method must be spawn, fork or forkserver")
+
+
+def _join_timeout(conf: dict[str, str]) -> float:
+    """`--rdzv-conf join_timeout=S` (or torchrun's `timeout=S`), bounded."""
+    key = "join_timeout" if "join_timeout" in conf else "timeout"
+    try:
+        value = float(conf.get(key, DEFAULT_JOIN_TIMEOUT_S))
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_TIMEOUT_S:   # nan and inf fail here too
+        raise ConfigError(f"--rdzv-conf {key}={conf[key]}: must be {ACCEPTS['join_timeout']} "
+                          "(e.g. --rdzv-conf join_timeout=900)")
+    return value
+
+
+def _derive_topology(flags: dict[str, Any]) -> None:
+    """torchrun's --nnodes, --standalone, --rdzv-backend/-endpoint/-conf, --master-addr/-port, --node-rank ->
+    the fields nnodes, rdzv_backend, rdzv_host, rdzv_port, join_timeout, node_rank, master_addr and
+    single_node (in place)."""
+    nnodes_text = flags.pop("nnodes", "1:1")
+    lo, hi = parse_nnodes(nnodes_text)
+    if lo != hi:
+        raise ConfigError(f"--nnodes {nnodes_text}: elastic ranges (MIN < MAX) are not supported yet; "
+                          f"use a fixed size such as --nnodes {hi}")
+    nnodes = hi
+    backend = (flags.pop("rdzv_backend", None) or "static").strip()
+    endpoint = (flags.pop("rdzv_endpoint", None) or "").strip()
+    conf = parse_conf(flags.pop("rdzv_conf", None) or "")
+    master_port = flags.pop("master_port", None)
+    given_addr = flags.pop("master_addr", None)
+    if flags.pop("standalone", False):
+        if nnodes != 1:
+            raise ConfigError("--standalone runs one node; drop --nnodes or --standalone")
+        backend, endpoint = "c10d", "localhost:0"
+    if backend not in ("static", "c10d"):
+        raise ConfigError(f"--rdzv-backend {backend!r} is not supported yet; use static or c10d")
+
+    rdzv_host, rdzv_port = "localhost", 0
+    single = nnodes == 1
+    master_addr = given_addr or ("127.0.0.1" if not single else "localhost")
+    if backend == "c10d":
+        if not endpoint:
+            raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the host of one of the nodes)")
+        rdzv_host, rdzv_port = parse_endpoint(endpoint)
+        if not single and rdzv_port == 0:
+            raise ConfigError("--rdzv-endpoint needs a port for several nodes (e.g. HOST:29400)")
+        node_rank = None
+    else:
+        node_rank = flags.get("node_rank", 0)
+        rdzv_port = master_port if master_port is not None else 29500
+        if not single and endpoint:
+            rdzv_host, rdzv_port = parse_endpoint(endpoint, default_port=rdzv_port)
+            master_addr = rdzv_host
+        if not single and rdzv_port == 0:
+            flag = "--rdzv-endpoint" if endpoint else "--master-port"
+            raise ConfigError(f"{flag}: port 0 cannot be found by the other nodes; give every node the same fixed "
+                              "port (e.g. --master-port 29500)")
+    if single and node_rank not in (None, 0):
+        raise ConfigError(f"--node-rank {node_rank} with one node; it must be 0 (or give --nnodes)")
+    if single:
+        # torchrun 2.13's MASTER_ADDR for one node: a static rendezvous only with --master-port or an endpoint
+        # (then the master address, default 127.0.0.1); otherwise its c10d one (the node's own address)
+        if backend == "static" and (master_port is not None or endpoint):
+            master_addr = parse_endpoint(endpoint)[0] if endpoint else (given_addr or "127.0.0.1")
+        else:
+            master_addr = own_address(flags.get("local_addr"))
+    flags.update(nnodes=nnodes, rdzv_backend=backend, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
+                 join_timeout=_join_timeout(conf), node_rank=node_rank, master_addr=master_addr, single_node=single)
+
+
 class LaunchConfig(BaseModel):
     """Everything one agent needs to run its node's share of the job."""
 
@@ -217,8 +197,7 @@ class LaunchConfig(BaseModel):
     rdzv_host: str = "localhost"
     rdzv_port: int = Field(0, ge=0, le=65535)
     rdzv_id: str = "none"
-    rdzv_conf: dict[str, str] = Field(default_factory=dict)
-    join_timeout: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    join_timeout: float = Field(DEFAULT_JOIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     master_addr: str = "localhost"
     local_addr: Optional[str] = None
     single_node: bool = True
@@ -232,7 +211,7 @@ class LaunchConfig(BaseModel):
     signals_to_handle: list[int] = Field(
         default_factory=lambda: [int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)])
 
-    # in-process restart (DESIGN §4)
+    # in-process restart (docs/ARCHITECTURE.md, "Restart protocol")
     inprocess_restart: bool = False
     inprocess_timeout: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     heartbeat_interval: float = Field(1.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S, allow_inf_nan=False)
@@ -259,9 +238,78 @@ class LaunchConfig(BaseModel):
     post_train_script: Optional[str] = None
     post_train_args: list[str] = Field(default_factory=list)
 
-    # fault-injection seam (tests and chaos drills): lets `hyperpodrun inject` reach this agent
-    allow_inject: bool = True
+    # ------------------------------------------------------------------------------------------ building
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any], sources: Optional[dict[str, str]] = None) -> "LaunchConfig":
+        """The config of the command line: `flags` are click's values by option name (text as typed, or
+        from PET_*/HYPERPODRUN_* variables) plus `entrypoint` and `args`; `sources` names the environment
+        variable each value came from, for the message. Every check runs, the host's included; ConfigError
+        with one line on any problem."""
+        try:
+            return cls.model_validate(flags, context={"flags": True, "host": True})
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc, sources)) from None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_flags(cls, data: Any, info: ValidationInfo) -> Any:
+        if not _flag_mode(info) or not isinstance(data, dict):
+            return data
+        flags = dict(data)
+        _refuse_unsupported(flags)
+        _derive_topology(flags)
+        flags["rdzv_id"] = flags.get("rdzv_id") or "none"
+        for key in ("shutdown_timeout", "log_dir", "job_secret_file", "local_ranks_filter"):
+            if flags.get(key) in (None, ""):
+                flags.pop(key, None)   # not given: the field's default
+        return flags
+
+    # ------------------------------------------------------------------------------------------ flag syntax
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _nproc(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.isdigit():
+                return int(text)
+            return count_workers(text)
+        return value
+
+    @field_validator("shutdown_signal", mode="before")
+    @classmethod
+    def _signal(cls, value: Any) -> Any:
+        return parse_signal(value) if isinstance(value, str) else value
+
+    @field_validator("signals_to_handle", mode="before")
+    @classmethod
+    def _signals(cls, value: Any) -> Any:
+        return parse_signal_list(value) if isinstance(value, str) else value
+
+    @field_validator("redirects", "tee", mode="before")
+    @classmethod
+    def _std_map(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return {}
+        if not isinstance(value, str):
+            return value
+        if value.strip() == "0":
+            return {}
+        nproc = info.data.get("nproc_per_node")
+        if nproc is None:   # --nproc-per-node is invalid: that is the error to report
+            return {}
+        return parse_std_map(value, flag_of(info.field_name or ""), nproc)
+
+    @field_validator("local_ranks_filter", mode="before")
+    @classmethod
+    def _rank_list(cls, value: Any, info: ValidationInfo) -> Any:
+        return parse_rank_list(value, info.data.get("nproc_per_node")) if isinstance(value, str) else value
+
+    @field_validator("pre_train_args", "post_train_args", mode="before")
+    @classmethod
+    def _args(cls, value: Any, info: ValidationInfo) -> Any:
+        return split_args(flag_of(info.field_name or ""), value) if isinstance(value, str) or value is None else value
+
+    # ------------------------------------------------------------------------------------------ whole config
     @model_validator(mode="after")
     def _check_together(self) -> "LaunchConfig":
         if self.module and self.no_python:
@@ -284,13 +332,29 @@ class LaunchConfig(BaseModel):
                     f"--heartbeat-interval ({self.heartbeat_interval:g}s)")
         return self
 
-    @property
-    def world_size_hint(self) -> int:
-        """World size when every node runs the same number of workers (the usual case)."""
-        return self.nnodes * self.nproc_per_node
+    @model_validator(mode="after")
+    def _check_host(self, info: ValidationInfo) -> "LaunchConfig":
+        if not (info.context and info.context.get("host")):
+            return self
+        from hyperpodrun import auth, host_checks
+        host_checks.check_entrypoint(self.entrypoint, self.module, self.no_python, self.run_path)
+        host_checks.check_hook_script(self.pre_train_script, "--pre-train-script")
+        host_checks.check_hook_script(self.post_train_script, "--post-train-script")
+        given = self.log_dir if "log_dir" in self.model_fields_set else None
+        self.log_dir = host_checks.check_log_dir(given or default_log_dir(create=True))   # default: ours alone
+        auth.checked_secret_file(self.job_secret_file)   # a bad secret: exit 2 here, not a failed job
+        if self.health_check == "nvml":
+            host_checks.check_nvml()
+        return self
 
     def console_ranks(self) -> set[int]:
         """Local ranks whose output is shown on the console."""
         if self.local_ranks_filter is None:
             return set(range(self.nproc_per_node))
         return set(self.local_ranks_filter)
+
+
+__all__ = ["LaunchConfig", "describe_validation_error", "flag_of", "ACCEPTS", "FLAG_OF_FIELD", "MAX_NPROC_PER_NODE",
+           "MAX_NNODES", "MAX_COUNT", "MAX_TIMEOUT_S", "MIN_INTERVAL_S", "MAX_INTERVAL_S", "STD_NONE", "STD_OUT",
+           "STD_ERR", "STD_ALL", "parse_nnodes", "parse_std_map", "parse_signal", "parse_endpoint", "default_log_dir",
+           "private_log_base", "temp_log_base"]

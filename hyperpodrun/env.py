@@ -1,12 +1,18 @@
-"""The worker environment contract: torchrun's variables with torchrun's values, plus ours.
+"""The worker environment contract (docs/ARCHITECTURE.md, "Contracts"): torchrun's variables with torchrun's values,
+plus ours.
 
-Names live here once; the agent computes them, the runtime reads them.
+Names live here once. The agent writes them (`worker_env`); the runtime reads ours, and the torchrun ones it
+needs to know whether a launcher started it, through `worker_context()` - one reader, so that a value that
+does not parse is one clear ConfigError and not a ValueError somewhere in the runtime. (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT are torchrun's and the user's too; the runtime reads them where it uses them.)
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
+
+from hyperpodrun.errors import ConfigError
 
 # ours (documented in the README, "Worker environment")
 HYPERPODRUN_CONTROL = "HYPERPODRUN_CONTROL"            # ipc:// endpoint of the agent's control server
@@ -24,7 +30,7 @@ HYPERPODRUN_JOB_KEY = "HYPERPODRUN_JOB_KEY"            # hex of the workers' key
 HPCT_USE_ROOTLESS = "HPCT_USE_ROOTLESS"
 TORCH_SKIP_TCPSTORE = "TORCH_SKIP_TCPSTORE"
 
-# under --inprocess-restart NCCL must clean up, not kill the survivors (DESIGN §3)
+# under --inprocess-restart NCCL must clean up, not kill the survivors (docs/ARCHITECTURE.md, "Contracts")
 INPROCESS_NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
@@ -110,3 +116,82 @@ def hand_down_key(env: dict[str, str], secret: bytes) -> None:
 def inprocess_env_overrides(base: Mapping[str, str]) -> list[str]:
     """Names of NCCL settings the user set that conflict with in-process restart (warned about)."""
     return [k for k, v in INPROCESS_NCCL_DEFAULTS.items() if k in base and base[k] != v]
+
+
+# ------------------------------------------------------------------------------------------ worker side
+@dataclass(frozen=True)
+class WorkerContext:
+    """What the launcher told this process through its environment (see `worker_context`)."""
+
+    #: HYPERPODRUN_RUN_DIR: the run's log directory (None: not started by hyperpodrun)
+    run_dir: Optional[str] = None
+    #: TORCHELASTIC_RUN_ID: the job's id (hyperpodrun and torchrun set it)
+    run_id: Optional[str] = None
+    #: HYPERPODRUN_GENERATION: the restart generation this process was started in (or last joined)
+    generation: int = 0
+    #: TORCHELASTIC_RESTART_COUNT: torchrun's name of the generation
+    restart_count: int = 0
+    #: HYPERPODRUN_CONTROL: the agent's control endpoint (under --inprocess-restart)
+    control: Optional[str] = None
+    #: HYPERPODRUN_INPROCESS: "1" under --inprocess-restart
+    inprocess: bool = False
+    #: HYPERPODRUN_HEARTBEAT_INTERVAL: seconds between heartbeats
+    heartbeat_interval: float = 1.0
+    #: HYPERPODRUN_AGENT_PID: the agent whose life bounds this run's shared-memory state (None: unknown)
+    agent_pid: Optional[int] = None
+    #: HYPERPODRUN_NODE_RANK, HYPERPODRUN_HOST: where this worker runs
+    node_rank: Optional[int] = None
+    host: Optional[str] = None
+    #: HYPERPODRUN_JOB_KEY: the workers' key (hyperpodrun/auth.py), never shown in a repr
+    job_key: Optional[bytes] = field(default=None, repr=False)
+
+    @property
+    def launched(self) -> bool:
+        """Whether a launcher (hyperpodrun, torchrun) started this process, and may start it again."""
+        return self.run_dir is not None or self.run_id is not None
+
+    @property
+    def under_inprocess_restart(self) -> bool:
+        """Whether this process runs under `hyperpodrun --inprocess-restart` (with a control endpoint)."""
+        return self.inprocess and bool(self.control)
+
+
+def _set_by_us(name: str, raw: str, what: str) -> ConfigError:
+    return ConfigError(f"{name}={raw!r} is not {what}; hyperpodrun sets it for its workers (do not set it "
+                       "yourself)")
+
+
+def _whole(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise _set_by_us(name, raw, "a whole number") from None
+
+
+def worker_context(environ: Optional[Mapping[str, str]] = None) -> WorkerContext:
+    """Read the contract from `environ` (default: this process's environment, as it is now - the runtime
+    updates the generation at each in-process restart). ConfigError names a value that does not parse."""
+    env = os.environ if environ is None else environ
+    interval_raw = env.get(HYPERPODRUN_HEARTBEAT_INTERVAL) or "1.0"
+    try:
+        interval = float(interval_raw)
+    except ValueError:
+        raise _set_by_us(HYPERPODRUN_HEARTBEAT_INTERVAL, interval_raw, "a number of seconds") from None
+    key_raw = env.get(HYPERPODRUN_JOB_KEY)
+    try:
+        key = bytes.fromhex(key_raw) if key_raw else None
+    except ValueError:
+        raise ConfigError(f"{HYPERPODRUN_JOB_KEY} is not hex; it is set by hyperpodrun, do not set it "
+                          "yourself") from None
+    agent = env.get(HYPERPODRUN_AGENT_PID) or ""
+    node = env.get(HYPERPODRUN_NODE_RANK) or ""
+    return WorkerContext(
+        run_dir=env.get(HYPERPODRUN_RUN_DIR), run_id=env.get("TORCHELASTIC_RUN_ID"),
+        generation=_whole(env, HYPERPODRUN_GENERATION, 0),
+        restart_count=_whole(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        control=env.get(HYPERPODRUN_CONTROL) or None, inprocess=env.get(HYPERPODRUN_INPROCESS) == "1",
+        heartbeat_interval=interval, agent_pid=int(agent) if agent.isdigit() else None,
+        node_rank=int(node) if node.isdigit() else None, host=env.get(HYPERPODRUN_HOST) or None, job_key=key)

@@ -1,5 +1,22 @@
-"""Exception classes and the documented exit codes of hyperpodrun."""
+"""The documented exit codes of hyperpodrun and the one hierarchy of the errors it raises on purpose.
+
+Every exception hyperpodrun raises on purpose derives from `HyperpodrunError`, so that a caller can catch
+"anything hyperpodrun refused" in one clause. Where callers (or Python itself) rely on a builtin class the
+error derives from that one too: a bad argument is also a `ValueError`, a state that cannot be saved also a
+`TypeError` (HPWrapper's default `fatal_exceptions` treats it as a programming error), a full cache also an
+`OSError` with errno ENOSPC, and so on. Each message names what went wrong and what to change.
+
+The classes live here, in one module that imports nothing heavy; the modules that raise them re-export the
+names users already import from there (`hyperpodrun.StateLostError`, `hyperpodrun.runtime.checkpoint.
+StateLostError`, `hyperpodrun.data.CacheFullError`, `hyperpodrun.auth.AuthError`, ...).
+
+Not errors and deliberately outside the hierarchy: `RestartInterrupt` (a BaseException that unwinds the
+training function at a restart, hyperpodrun/runtime/interrupt.py) and `SystemExit`.
+"""
 from __future__ import annotations
+
+import errno
+from typing import Any
 
 # Documented exit codes (README "Exit codes").
 EXIT_OK = 0
@@ -21,8 +38,12 @@ class HyperpodrunError(Exception):
     """Base class of every error hyperpodrun raises on purpose."""
 
 
+# ------------------------------------------------------------------------------------------ launch and agent
 class ConfigError(HyperpodrunError):
-    """A flag or environment value is invalid; the message names it and the fix."""
+    """A flag or environment value is invalid; the message names it and the fix.
+
+    Deliberately not a ValueError: raised inside a LaunchConfig validator it passes through pydantic as it
+    is, so the CLI prints exactly its message (hyperpodrun/config.py)."""
 
 
 class RendezvousError(HyperpodrunError):
@@ -31,3 +52,129 @@ class RendezvousError(HyperpodrunError):
 
 class WorkerSpawnError(HyperpodrunError):
     """A worker process could not be started."""
+
+
+class ProtocolError(HyperpodrunError, ValueError):
+    """A control-plane frame that is not a valid message (hyperpodrun/protocol.py); it is dropped."""
+
+
+class AuthError(HyperpodrunError):
+    """A peer did not prove it knows the job's key, or a signed value does not verify (hyperpodrun/auth.py)."""
+
+
+class UnsafePathError(HyperpodrunError):
+    """A path we would read state from or write to is not ours alone (another owner, a symlink, wide modes)."""
+
+
+# ------------------------------------------------------------------------------------------ worker API
+class ApiValueError(HyperpodrunError, ValueError):
+    """An argument given to the worker API (HPWrapper, CheckpointManager, the data cache, ...) is out of its
+    range; the message names the call, the argument and what it takes."""
+
+
+class ApiTypeError(HyperpodrunError, TypeError):
+    """An argument given to the worker API has the wrong type; the message names what it takes."""
+
+
+class MissingDependencyError(HyperpodrunError, ImportError):
+    """An optional dependency a feature needs is not installed (e.g. Lightning for CheckpointlessCallback)."""
+
+
+class RankEnvironmentTimeout(HyperpodrunError, TimeoutError):
+    """The launcher did not complete this process's rank environment in time (`wait_rank`)."""
+
+
+class OutOfOrderError(HyperpodrunError, RuntimeError):
+    """An internal object was used out of order (a bug in hyperpodrun: please report it)."""
+
+
+class HealthCheckError(HyperpodrunError, RuntimeError):
+    """This process cannot continue (e.g. a sticky CUDA error): the agent must replace it."""
+
+
+class InjectedFault(HyperpodrunError, RuntimeError):
+    """Raised by an injected `raise` fault (`hyperpodrun inject --kind raise`); retried like a user's error."""
+
+
+# ------------------------------------------------------------------------------------------ checkpointless state
+class StateLostError(HyperpodrunError, RuntimeError):
+    """Some rank's committed state survives nowhere (exit code 75): the job ends instead of restarting from
+    step 0."""
+
+    exit_code = EXIT_STATE_LOST
+
+
+class StateMismatchError(HyperpodrunError, KeyError):
+    """The state given to `CheckpointManager.restore` has an entry the snapshot does not hold."""
+
+
+class ReplicaLayoutError(HyperpodrunError, ValueError):
+    """The replica layout given to CheckpointManager does not fit the job."""
+
+
+class SnapshotCorrupt(HyperpodrunError, ValueError):
+    """A snapshot is incomplete, failed its checksum or holds malformed metadata: it is ignored."""
+
+
+class CodecError(HyperpodrunError, ValueError):
+    """Encoded metadata is malformed or names something this process does not allow
+    (hyperpodrun/runtime/safe_codec.py)."""
+
+
+class UnsupportedStateError(HyperpodrunError, TypeError):
+    """A value of a type the metadata encoding does not carry (raised when saving, never at restore)."""
+
+    def __init__(self, kind: type, path: list[Any], why: str = "") -> None:
+        super().__init__(kind, path, why)
+        self.kind, self.path, self.why = kind, path, why
+        self.root = "value"
+
+    def where(self) -> str:
+        """Where the value sits, e.g. state['opt']['param_groups'][0]['extra']."""
+        return self.root + "".join(f"[{p!r}]" for p in self.path)
+
+    def __str__(self) -> str:
+        name = f"{self.kind.__module__}.{self.kind.__qualname__}"
+        return (f"{self.where()} is a {name}: {self.why or 'not a type snapshots can hold'}. Snapshots hold "
+                "tensors, numpy arrays, None/bool/int/float/complex/str/bytes, lists, tuples, dicts, sets, "
+                "namedtuples and Enum members; convert it (e.g. to a dict) or keep it out of the saved state")
+
+
+# ------------------------------------------------------------------------------------------ MMAP data cache
+class MMAPConfigError(ConfigError, ValueError):
+    """A `CacheResumeMMAPConfig` field is invalid; the message names the field and the fix."""
+
+
+class CacheFullError(HyperpodrunError, OSError):
+    """The cache has no room for a batch (the tmpfs is full, or the configured `max_bytes` cap is reached).
+
+    Raised with errno ENOSPC, like a full tmpfs, so both take the same path: the loader stops caching and
+    reads the wrapped loader directly."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+
+class CacheCorruptError(HyperpodrunError):
+    """A batch file does not have the layout this version writes (never read as a batch)."""
+
+
+class DataStateLostError(StateLostError):
+    """The data stream cannot be resumed at the requested step without risking a wrong batch.
+
+    A subclass of `StateLostError` (exit code 75): `HPWrapper` ends the job instead of retrying it."""
+
+
+class CacheTimeoutError(HyperpodrunError, TimeoutError):
+    """No batch arrived within `wait_timeout` seconds (the producing rank is stuck or gone)."""
+
+
+__all__ = [
+    "EXIT_OK", "EXIT_USAGE", "EXIT_AGENT_ERROR", "EXIT_STATE_LOST", "EXIT_NO_USABLE_GPU", "EXIT_STEP_KEEPS_FAILING",
+    "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED",
+    "HyperpodrunError", "ConfigError", "RendezvousError", "WorkerSpawnError", "ProtocolError", "AuthError",
+    "UnsafePathError", "ApiValueError", "ApiTypeError", "MissingDependencyError", "RankEnvironmentTimeout",
+    "OutOfOrderError", "HealthCheckError", "InjectedFault", "StateLostError", "StateMismatchError",
+    "ReplicaLayoutError", "SnapshotCorrupt", "CodecError", "UnsupportedStateError", "MMAPConfigError",
+    "CacheFullError", "CacheCorruptError", "DataStateLostError", "CacheTimeoutError",
+]

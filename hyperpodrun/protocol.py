@@ -2,7 +2,8 @@
 
 Worker -> agent: HELLO, HEARTBEAT, FAULT, READY, DONE. Agent -> worker: RESTART, GO, SHUTDOWN, INJECT.
 Tool -> agent: INJECT_REQUEST (answered with INJECT_REPLY). Each message is a pydantic model with a
-`type` tag, sent as one JSON frame over zmq. A frame that does not parse is logged and dropped.
+`type` tag and the protocol `version`, sent as one JSON frame over zmq (docs/ARCHITECTURE.md, "Contracts"). A frame
+that does not parse, or comes from a newer protocol than this side speaks, is logged and dropped.
 """
 from __future__ import annotations
 
@@ -10,9 +11,20 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from hyperpodrun.errors import ProtocolError
+
+
+#: the control protocol's version: raised when a message changes in a way an older receiver would misread
+PROTOCOL_VERSION = 1
+
 
 class _Msg(BaseModel):
+    """A control message; each kind fixes `type` to its tag."""
+
     model_config = {"extra": "ignore"}
+
+    type: str
+    version: int = PROTOCOL_VERSION
 
 
 class Hello(_Msg):
@@ -131,16 +143,19 @@ Message = Annotated[Union[Hello, Heartbeat, Fault, Ready, Restored, Done, Restar
 _ADAPTER: TypeAdapter = TypeAdapter(Message)
 
 
-class ProtocolError(ValueError):
-    """A frame that is not a valid control message."""
-
-
 def encode(msg: _Msg) -> bytes:
+    """One JSON frame (None fields left out)."""
     return msg.model_dump_json(exclude_none=True).encode()
 
 
 def decode(frame: bytes) -> _Msg:
+    """The message in `frame`; ProtocolError when it is malformed or of a newer protocol version."""
     try:
-        return _ADAPTER.validate_json(frame)
+        msg: _Msg = _ADAPTER.validate_json(frame)
     except ValidationError as exc:
-        raise ProtocolError(f"malformed control message ({len(frame)} bytes): {exc.errors()[0].get('msg')}")
+        raise ProtocolError(f"malformed control message ({len(frame)} bytes): {exc.errors()[0].get('msg')}") \
+            from None
+    if msg.version > PROTOCOL_VERSION:
+        raise ProtocolError(f"{msg.type} message of protocol version {msg.version}; this side speaks version "
+                            f"{PROTOCOL_VERSION} (the agent and the workers run different hyperpodrun versions?)")
+    return msg

@@ -13,11 +13,7 @@ import os
 import stat
 from typing import BinaryIO
 
-from hyperpodrun.errors import HyperpodrunError
-
-
-class UnsafePathError(HyperpodrunError):
-    """A path we would read state from or write to is not ours alone (another owner, a symlink, wide modes)."""
+from hyperpodrun.errors import UnsafePathError
 
 
 def _check_dir(path: str, st: os.stat_result) -> None:

@@ -1,21 +1,25 @@
-"""The agent's HYPERPODRUN_* environment settings, read and checked in one place.
+"""The user's HYPERPODRUN_* environment settings, read and checked in one place.
 
 Why one model: a setting that is misspelt or out of range (`HYPERPODRUN_WARM_RESPAWN=maybe`,
-`HYPERPODRUN_LOG_LEVEL=loud`) must stop the launch with one line naming the variable and the values it
-takes, before any worker starts; it must not be silently taken as a default, nor surface later as a
-traceback inside the agent. The CLI calls `load()` once at start-up; the agent's modules ask `current()`.
+`HYPERPODRUN_LOG_LEVEL=loud`, a job secret of 4 bytes) must stop the launch with one line naming the
+variable and the values it takes, before any worker starts; it must not be silently taken as a default,
+nor surface later as a traceback inside the agent. The CLI calls `load()` once at start-up and pins the
+result with `use()`; the agent's modules ask `current()`. In a process where nothing was pinned (a worker,
+a plain `python train.py`, a test) `current()` follows the environment as it is now.
 
-Variables the agent sets for its workers (HYPERPODRUN_RANK-like identity, HYPERPODRUN_CONTROL, ...) are
-not settings and are not read here. HYPERPODRUN_LOG_DIR and HYPERPODRUN_JOB_SECRET are read where they are
-used (hyperpodrun/config.py, hyperpodrun/auth.py).
+What is not here, on purpose:
+- the variables the agent sets for its workers (HYPERPODRUN_CONTROL, _RUN_DIR, _GENERATION, ...): they are
+  the worker environment contract, written and read in hyperpodrun/env.py;
+- `HYPERPODRUN_<FLAG>` defaults of our own flags (HYPERPODRUN_INPROCESS_TIMEOUT, ...) and torchrun's PET_*:
+  they are flags, read by click in hyperpodrun/cli.py and checked by LaunchConfig like the flag itself.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SecretBytes
 
 from hyperpodrun.errors import ConfigError
 
@@ -28,10 +32,17 @@ DEFAULT_SYMPTOM_GRACE_S = 0.25
 MAX_SYMPTOM_GRACE_S = 60.0
 #: default of HYPERPODRUN_EXIT_GRACE_S (see agent/report.py: CauseWindow)
 DEFAULT_EXIT_GRACE_S = 2.0
+#: default of HYPERPODRUN_SHM_DIR: the tmpfs that holds the checkpointless snapshots
+DEFAULT_SHM_DIR = "/dev/shm"
+#: bounds of the job secret (HYPERPODRUN_JOB_SECRET or --job-secret-file; hyperpodrun/auth.py)
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
+#: the variable with the user's job secret (the same on every node)
+SECRET_ENV = "HYPERPODRUN_JOB_SECRET"
 
 
 class Settings(BaseModel):
-    """The HYPERPODRUN_* settings of the agent, validated."""
+    """The HYPERPODRUN_* settings, validated (each field names its variable)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -46,6 +57,12 @@ class Settings(BaseModel):
     #: HYPERPODRUN_EXIT_GRACE_S: how long a worker exit that looks like a symptom of another rank's failure
     #: waits for that failure's own exit (process-level restarts); ends early once the real one is seen
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
+    #: HYPERPODRUN_LOG_DIR: the base directory of the run logs when --log-dir is not given
+    log_dir: Optional[str] = None
+    #: HYPERPODRUN_SHM_DIR: the tmpfs under which CheckpointManager keeps its snapshots
+    shm_dir: str = DEFAULT_SHM_DIR
+    #: HYPERPODRUN_JOB_SECRET: the user's job secret (stripped; never shown in a repr)
+    job_secret: Optional[SecretBytes] = None
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -66,13 +83,13 @@ def _level(name: str, raw: str) -> int:
     raise ConfigError(f"{name}={raw!r} is not a log level; use one of {', '.join(_LEVELS)} (or a number 0-50)")
 
 
-def _seconds(name: str, raw: str, hi: float) -> float:
+def _grace(name: str, raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not 0 <= value <= hi:   # nan and inf fail here too
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds in 0..{hi:g}")
+    if not 0 <= value <= MAX_SYMPTOM_GRACE_S:   # nan and inf fail here too
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds in 0..{MAX_SYMPTOM_GRACE_S:g}")
     return value
 
 
@@ -85,46 +102,95 @@ def _modules(name: str, raw: str) -> tuple[str, ...]:
     return mods
 
 
+def _path(_name: str, raw: str) -> str:
+    return raw
+
+
+def check_secret(secret: bytes, where: str) -> bytes:
+    """A job secret, stripped; ConfigError naming `where` it came from when it is too short."""
+    secret = secret.strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{where}: the job secret has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
+                          "(e.g. `openssl rand -hex 32`)")
+    return secret
+
+
+def _secret(name: str, raw: str) -> SecretBytes:
+    return SecretBytes(check_secret(raw.encode(), name))
+
+
+#: field -> (variable suffix, parser, whether an empty value counts as set)
+_VARIABLES: dict[str, tuple[str, Callable[[str, str], Any], bool]] = {
+    "log_level": ("LOG_LEVEL", _level, False),
+    "warm_respawn": ("WARM_RESPAWN", _bool, False),
+    "warm_imports": ("WARM_IMPORTS", _modules, True),   # "" is valid: import nothing ahead
+    "symptom_grace_s": ("SYMPTOM_GRACE_S", _grace, False),
+    "exit_grace_s": ("EXIT_GRACE_S", _grace, False),
+    "log_dir": ("LOG_DIR", _path, False),
+    "shm_dir": ("SHM_DIR", _path, False),
+    "job_secret": ("JOB_SECRET", _secret, False),
+}
+
+
+def variable(field: str) -> str:
+    """The environment variable of a Settings field (`shm_dir` -> `HYPERPODRUN_SHM_DIR`)."""
+    return "HYPERPODRUN_" + _VARIABLES[field][0]
+
+
+def _values(env: Mapping[str, str], strict: bool) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for field, (suffix, parse, empty_is_set) in _VARIABLES.items():
+        name = "HYPERPODRUN_" + suffix
+        raw = env.get(name)
+        if raw is None or (raw == "" and not empty_is_set):
+            continue
+        try:
+            values[field] = parse(name, raw)
+        except ConfigError as exc:
+            if strict:
+                raise
+            if str(exc) not in _warned:   # lenient: this one variable falls back to its default
+                _warned.add(str(exc))
+                logging.getLogger("hyperpodrun").warning("%s; using the default", exc)
+    return values
+
+
+def read(field: str, environ: Mapping[str, str]) -> Any:
+    """One setting from `environ`: its value, or its default when the variable is unset; ConfigError when
+    it is bad."""
+    suffix, parse, empty_is_set = _VARIABLES[field]
+    raw = environ.get("HYPERPODRUN_" + suffix)
+    if raw is None or (raw == "" and not empty_is_set):
+        return Settings.model_fields[field].default
+    return parse("HYPERPODRUN_" + suffix, raw)
+
+
 def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Read and check the settings from `environ` (default os.environ); ConfigError names the bad one."""
-    env = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-
-    def raw(key: str) -> Optional[str]:
-        val = env.get(f"HYPERPODRUN_{key}")
-        return val if val not in (None, "") else None
-
-    if (text := raw("LOG_LEVEL")) is not None:
-        values["log_level"] = _level("HYPERPODRUN_LOG_LEVEL", text)
-    if (text := raw("WARM_RESPAWN")) is not None:
-        values["warm_respawn"] = _bool("HYPERPODRUN_WARM_RESPAWN", text)
-    if (text := env.get("HYPERPODRUN_WARM_IMPORTS")) is not None:   # "" is valid: import nothing ahead
-        values["warm_imports"] = _modules("HYPERPODRUN_WARM_IMPORTS", text)
-    if (text := raw("SYMPTOM_GRACE_S")) is not None:
-        values["symptom_grace_s"] = _seconds("HYPERPODRUN_SYMPTOM_GRACE_S", text, MAX_SYMPTOM_GRACE_S)
-    if (text := raw("EXIT_GRACE_S")) is not None:
-        values["exit_grace_s"] = _seconds("HYPERPODRUN_EXIT_GRACE_S", text, MAX_SYMPTOM_GRACE_S)
-    return Settings(**values)
+    return Settings.model_validate(_values(os.environ if environ is None else environ, strict=True))
 
 
-_current: Optional[Settings] = None
+_pinned: Optional[Settings] = None
+_warned: set[str] = set()
 
 
 def current() -> Settings:
-    """The settings of this process: loaded once (the CLI loads them first, so a bad value already stopped
-    the launch; anywhere else a bad value falls back to the defaults with one warning)."""
-    global _current
-    if _current is None:
-        try:
-            _current = load()
-        except ConfigError as exc:
-            logging.getLogger("hyperpodrun").warning("%s; using the defaults", exc)
-            _current = Settings()
-    return _current
+    """The settings of this process. Pinned by the CLI at start-up (a bad value already stopped the launch);
+    elsewhere read from the environment at each call (tests and user code may change it), and a bad value
+    falls back to that setting's default with one warning."""
+    if _pinned is not None:
+        return _pinned
+    return Settings.model_validate(_values(os.environ, strict=False))
 
 
 def use(settings: Settings) -> Settings:
-    """Make `settings` this process's settings (the CLI, after load())."""
-    global _current
-    _current = settings
+    """Pin `settings` as this process's settings (the CLI, after load())."""
+    global _pinned
+    _pinned = settings
     return settings
+
+
+def job_secret() -> Optional[bytes]:
+    """HYPERPODRUN_JOB_SECRET (checked), or None when it is not set."""
+    secret = current().job_secret
+    return secret.get_secret_value() if secret is not None else None

@@ -137,12 +137,12 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
         raise click.UsageError("--kind nvml-xid needs --xid N (e.g. --xid 79: GPU fallen off the bus)")
     if kind != "nvml-xid" and xid is not None:
         raise click.UsageError("--xid only goes with --kind nvml-xid")
+    from hyperpodrun.agent.agent_info import AgentInfo
     run = resolve_run(log_dir)
     target = None
     for path in sorted(glob.glob(os.path.join(run, "node*.agent.json"))):
-        with open(path) as fh:
-            info = json.load(fh)
-        if info["rank_offset"] <= rank < info["rank_offset"] + info["nproc_per_node"]:
+        info = AgentInfo.read(path)
+        if info.hosts(rank):
             target = info
     if target is None:
         raise click.UsageError(f"no running agent of {run} that takes injections hosts rank {rank} (process faults "
@@ -153,12 +153,13 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
         while True:   # a rank still starting up ("not connected yet") is retried until the timeout
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(target["control"])
-            sock.send(P.encode(P.InjectRequest(rank=rank, kind=kind, step=step, exit_code=exit_code, xid=xid)))
+            sock.connect(target.control)
+            sock.send(P.encode(P.InjectRequest.model_validate(   # click's Choice already limits --kind to InjectKind
+                {"rank": rank, "kind": kind, "step": step, "exit_code": exit_code, "xid": xid})))
             left = max(0.0, deadline - time.monotonic())
             if not sock.poll(int(left * 1000)):
                 sock.close()
-                raise click.ClickException(f"the agent (pid {target['pid']}) did not answer within {timeout:g}s; "
+                raise click.ClickException(f"the agent (pid {target.pid}) did not answer within {timeout:g}s; "
                                            "is the job still running?")
             reply = P.decode(sock.recv())
             sock.close()

@@ -339,6 +339,54 @@ def test_blocked_console_does_not_stop_the_job(tmp_path, out_dir):
     assert len(warned) == 1, err[-3000:]
 
 
+FAILS_WHILE_CHATTY = """
+    import os, sys, time
+    rank = int(os.environ["RANK"])
+    line = "x" * 200
+    for i in range(3000):            # 600 KB per rank and stream: far more than a pipe holds (64 KB)
+        print(f"rank {rank} out {i} {line}")
+        print(f"rank {rank} err {i} {line}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    open(os.path.join(sys.argv[1], f"wrote_{rank}"), "w").close()
+    if rank == 1:
+        sys.exit(3)
+    while True:                      # rank 0 runs until the agent stops it
+        time.sleep(0.1)
+"""
+
+
+def test_blocked_stdout_and_stderr_do_not_stop_supervision(tmp_path, out_dir):
+    """hyperpodrun's stdout and stderr are pipes that nobody reads, and the workers fill both: the agent still
+    sees rank 1 fail, stops rank 0 and exits with rank 1's code within a deadline. (Its own log lines go to
+    the blocked stderr too: they must not stop its loop - agent/tee.py, ConsoleLogHandler.)"""
+    path = write_script(tmp_path, "fails.py", FAILS_WHILE_CHATTY)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "HYPERPODRUN_", "TORCHELASTIC_"))}
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen([HYPERPODRUN, "--log-dir", str(tmp_path / "logs"), "--nproc-per-node", "2",
+                                 "--shutdown-timeout", "3", path, str(out_dir)],
+                                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError("hyperpodrun froze behind its blocked stdout/stderr (killed after 60 s)")
+    finally:
+        for fd in (out_w, out_r, err_w, err_r):
+            os.close(fd)
+    elapsed = time.monotonic() - started
+    assert rc == 3, f"exit code {rc}, expected rank 1's 3"
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["wrote_0", "wrote_1"]
+    events = read_events(tmp_path / "logs")
+    assert [e["rank"] for e in events if e["event"] == "fault"] == [1], events
+    assert len(_log_lines(tmp_path, 1)) == 3000, "rank 1's log file is complete"
+
+
 @pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
 def test_closed_std_fd_does_not_fail_the_job(launcher, tmp_path, out_dir, closed):
     """`hyperpodrun ... >&-` (or `2>&-`): the job succeeds, its log files are complete."""

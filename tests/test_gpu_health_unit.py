@@ -16,6 +16,7 @@ from hyperpodrun.agent.gpu_map import (DeviceInfo, fallback_inventory, initial_a
                            visible_devices, visible_devices_for)
 from hyperpodrun.agent.nvml_backend import DeviceQueryError, NvmlUnavailable, PynvmlBackend, load_nvml, probe_nvml
 from hyperpodrun.agent.nvml_monitor import NvmlMonitor
+from hyperpodrun.agent.state import NodeState, Phase
 from hyperpodrun.agent.xid import GPU, INFO, RANK, WARN, GpuEvent, classify, classify_xid
 from conftest import wait_until
 from hyperpodrun.errors import EXIT_NO_USABLE_GPU
@@ -392,23 +393,37 @@ class FakeEvents:
         return [r for r in self.records if r["event"] == name]
 
 
-def fake_agent(nproc: int) -> Any:
+def fake_agent(nproc: int, phase: Phase = Phase.RUNNING) -> Any:
+    """The node as GPU health sees it: its state and the GpuOps it may ask for (recorded here)."""
+    workers = {lr: types.SimpleNamespace(pid=100 + lr, alive=True) for lr in range(nproc)}
     a = types.SimpleNamespace(
         cfg=types.SimpleNamespace(health_check="auto", nproc_per_node=nproc, health_interval=3600.0),
-        rdzv=types.SimpleNamespace(rank_offset=8), events=FakeEvents(), host="h", inproc=None, phase="running",
-        stop_then=None, posted=[], faults=[], failed=[],
-        sup=types.SimpleNamespace(workers={lr: types.SimpleNamespace(pid=100 + lr, alive=True) for lr in range(nproc)},
-                                  kill=lambda proc: setattr(proc, "alive", False)))
+        events=FakeEvents(), state=NodeState(phase=phase), posted=[], faults=[], failed=[],
+        sup=types.SimpleNamespace(workers=workers))
+
+    def kill(lr: int) -> bool:
+        proc = workers.get(lr)
+        if proc is None or not proc.alive:
+            return False
+        proc.alive = False
+        return True
+    a.ops = types.SimpleNamespace(workers=workers, kill=kill, last_step=lambda lr: None,
+                                  rank_fault=lambda lr, info: a.faults.append((lr, info)),
+                                  fail_job=lambda info, code: a.failed.append((info, code)))
     a.post = a.posted.append
-    a.rank_gpu_fault = lambda lr, info: a.faults.append((lr, info))
-    a.fail_job = lambda info, code: a.failed.append((info, code))
     return a
+
+
+def start_health(a: Any, backend: Any = None) -> gh.GpuHealth:
+    health = gh.GpuHealth(a.cfg, "h", 8, a.events, a.ops, a.state, a.post, backend=backend)
+    health.start()
+    return health
 
 
 def test_health_with_nvml_maps_reports_and_moves_a_rank_to_the_spare(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     a, be = fake_agent(2), FakeBackend(3)
-    health = gh.GpuHealth(a, backend=be)
+    health = start_health(a, backend=be)
     try:
         start = a.events.named("gpu_health")[0]
         assert start["xid_registered"] == [0, 1, 2] and start["mapping"] == {0: "GPU-fake-0", 1: "GPU-fake-1"}
@@ -425,7 +440,7 @@ def test_health_with_nvml_maps_reports_and_moves_a_rank_to_the_spare(monkeypatch
         assert not a.faults and not a.failed and health.env_for(1) == {}
         # fatal: rank 9 moves to GPU 2, with an explicit CUDA_VISIBLE_DEVICES; then the agent's fault path
         health.on_event(GpuEvent("xid", 1, xid=79))
-        assert [lr for lr, _ in a.faults] == [1] and "XID 79" in a.faults[0][1]["summary"]
+        assert [lr for lr, _ in a.faults] == [1] and "XID 79" in a.faults[0][1].summary
         assert health.assignment[1] == 2 and health.unusable == {1}
         assert health.env_for(1) == health.env_for(0) == {"CUDA_VISIBLE_DEVICES": "GPU-fake-0,GPU-fake-2"}
         # the same GPU again: already unusable, no second action
@@ -451,10 +466,9 @@ def test_gpu_already_broken_at_start_is_handled_before_any_worker_starts(monkeyp
     """A failed row remap found by the first NVML pass: with a spare, rank 1 starts there (no restart needed);
     without one, the node ends with 76 right away."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    a, be = fake_agent(2), FakeBackend(gpus)
+    a, be = fake_agent(2, Phase.STARTING), FakeBackend(gpus)
     be.remap[1] = (True, True)
-    a.phase = "starting"
-    health = gh.GpuHealth(a, backend=be)
+    health = start_health(a, backend=be)
     try:
         assert health.unusable == {1}
         if gpus == 3:
@@ -469,7 +483,7 @@ def test_gpu_already_broken_at_start_is_handled_before_any_worker_starts(monkeyp
 def test_gpu_not_visible_to_the_job_is_ignored(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     a, be = fake_agent(2), FakeBackend(3)
-    health = gh.GpuHealth(a, backend=be)
+    health = start_health(a, backend=be)
     try:
         health.on_event(GpuEvent("xid", 2, xid=79))
         assert not health.unusable and not a.faults
@@ -482,7 +496,7 @@ def test_rank_level_xid_replaces_the_process_on_the_same_gpu(monkeypatch):
     monkeypatch.setattr(gh, "load_nvml", lambda: (_ for _ in ()).throw(NvmlUnavailable("no NVML here")))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     a = fake_agent(2)
-    health = gh.GpuHealth(a)
+    health = start_health(a)
     assert "NVML not available (no NVML here)" in a.events.named("gpu_health")[0]["msg"]
     ok, detail = health.inject(9, "nvml-xid", 94)
     assert ok and a.posted == [("gpu", GpuEvent("xid", 5, xid=94, synthetic=True))], detail
@@ -496,7 +510,7 @@ def test_event_on_an_unused_gpu_only_costs_a_spare(monkeypatch):
     monkeypatch.setattr(gh, "load_nvml", lambda: (_ for _ in ()).throw(NvmlUnavailable("no NVML here")))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     a = fake_agent(2)
-    health = gh.GpuHealth(a)
+    health = start_health(a)
     health.on_event(GpuEvent("xid", 2, xid=48))
     assert not a.faults and not a.failed and health.unusable == {2}
     assert "no rank uses it" in a.events.named("gpu_fault")[0]["msg"]
@@ -514,9 +528,8 @@ def test_event_on_an_unused_gpu_only_costs_a_spare(monkeypatch):
 def test_no_action_while_the_job_is_ending(monkeypatch):
     monkeypatch.setattr(gh, "load_nvml", lambda: (_ for _ in ()).throw(NvmlUnavailable("no NVML here")))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    a = fake_agent(2)
-    a.phase = "finishing"
-    health = gh.GpuHealth(a)
+    a = fake_agent(2, Phase.FINISHING)
+    health = start_health(a)
     health.on_event(GpuEvent("xid", 1, xid=79))      # no spare: the GPU is only suspect, and nothing is done
     assert not a.faults and not a.failed and health.suspect == {1} and not health.unusable
     health.on_event(GpuEvent("lost", 1))

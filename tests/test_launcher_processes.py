@@ -315,15 +315,16 @@ def test_a_lone_symptom_is_still_the_cause_after_the_grace(launcher, tmp_path, o
 def test_cause_window_prefers_the_first_real_failure():
     """Unit: a symptom waits for a real failure (which ends the wait at once), else it is the cause."""
     from hyperpodrun.agent.report import CauseWindow, exit_is_symptom
+    from hyperpodrun.agent.store_schema import FailureInfo as F
     window = CauseWindow(2.0)
-    assert window.add({"rank": 0, "cause": "SIGABRT (6)", "symptom": True}, now=0.0) is None and window.open
+    assert window.add(F(rank=0, cause="SIGABRT (6)", symptom=True), now=0.0) is None and window.open
     assert window.due(1.9) is None
-    cause = window.add({"rank": 1, "cause": "exit code 3", "symptom": False}, now=1.0)
-    assert cause is not None and cause["rank"] == 1 and cause["folded"] == ["rank 0 SIGABRT (6)"]
+    cause = window.add(F(rank=1, cause="exit code 3", symptom=False), now=1.0)
+    assert cause is not None and cause.rank == 1 and cause.folded == ("rank 0 SIGABRT (6)",)
     assert not window.open
-    assert window.add({"rank": 2, "cause": "exit code 1", "symptom": True}, now=5.0) is None
-    assert window.due(7.0)["rank"] == 2
-    assert CauseWindow(0).add({"rank": 3, "symptom": True}, now=0.0)["rank"] == 3   # no grace: at once
+    assert window.add(F(rank=2, cause="exit code 1", symptom=True), now=5.0) is None
+    assert window.due(7.0).rank == 2
+    assert CauseWindow(0).add(F(rank=3, symptom=True), now=0.0).rank == 3   # no grace: at once
     assert exit_is_symptom(1, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1")
     assert not exit_is_symptom(3, "ValueError: the real bug")
     assert exit_is_symptom(-signal.SIGABRT, None) and not exit_is_symptom(-signal.SIGSEGV, None)

@@ -23,6 +23,7 @@ from hyperpodrun import auth, safe_fs
 from hyperpodrun.agent.coordination import Coordinator, SignedRecords
 from hyperpodrun.agent.events import EventLog
 from hyperpodrun.agent.rendezvous import agree_secret
+from hyperpodrun.agent.store_schema import FailureInfo
 from hyperpodrun.errors import RendezvousError
 from hyperpodrun.runtime.peer_copy import PeerCopies
 
@@ -181,7 +182,8 @@ def test_forged_records_are_ignored_and_reported_once():
     assert coord.failure() is None and coord.failure() is None
     assert coord.generation() == 0 and coord.restarts_used() == 0
     store.set("restart/1", "someone")
-    assert coord.request_restart(0, {"why": "test"}) == (1, True, True)
+    grant = coord.request_restart(0, FailureInfo(summary="test"))
+    assert (grant.generation, grant.started, grant.budget_ok) == (1, True, True)
     assert coord.generation() == 1 and coord.restarts_used() == 1
     # a record signed with another key (another job) or copied to another name is not believed either
     other = SignedRecords(store, b"o" * 32, "run", lambda name: None)
@@ -195,8 +197,8 @@ def test_forged_records_are_ignored_and_reported_once():
     assert coord.done_count(1) == 1 and store.add("done/1", 0) == 6
     assert sorted(r.split("'")[1] for r in reports) == ["done/1", "failed", "gen", "restart/1", "restarts_used",
                                                         "wstore/1"]
-    coord.report_failure({"exit_code": 1, "summary": "real"})
-    assert coord.failure() == {"exit_code": 1, "summary": "real"}
+    coord.report_failure(FailureInfo(exit_code=1, summary="real"))
+    assert coord.failure() == FailureInfo(exit_code=1, summary="real")
 
 
 def test_agents_agree_on_one_secret_and_refuse_different_ones():

@@ -19,12 +19,13 @@ from typing import Any, Optional
 
 from hyperpodrun.data.config import CacheResumeMMAPConfig
 from hyperpodrun.data.loader import MMAPDataLoader
+from hyperpodrun.errors import ApiTypeError
 
 _DELEGATED = ("prepare_data", "setup", "val_dataloader", "test_dataloader", "predict_dataloader",
               "transfer_batch_to_device", "on_before_batch_transfer", "on_after_batch_transfer", "on_exception")
 
 
-def _lightning_base(kind: type) -> Optional[type]:
+def _lightning_base(kind: type) -> Optional[type[Any]]:
     """The LightningDataModule class `kind` derives from (any Lightning distribution), or None."""
     for base in kind.__mro__:
         if base.__name__ == "LightningDataModule":
@@ -60,8 +61,8 @@ class MMAPDataModule:
     def __init__(self, data_module: Any, mmap_config: Optional[CacheResumeMMAPConfig] = None, *,
                  epochs: Optional[int] = None) -> None:
         if not callable(getattr(data_module, "train_dataloader", None)):
-            raise TypeError(f"MMAPDataModule(data_module={type(data_module).__name__}): needs a data module with "
-                            "train_dataloader() (a LightningDataModule)")
+            raise ApiTypeError(f"MMAPDataModule(data_module={type(data_module).__name__}): needs a data module with "
+                               "train_dataloader() (a LightningDataModule)")
         base = _lightning_base(type(self))
         if base is not None:
             base.__init__(self)

@@ -31,8 +31,9 @@ import os
 import re
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sized
 
+from hyperpodrun.errors import ApiTypeError, ApiValueError
 from hyperpodrun.data import group as groups
 from hyperpodrun.data import housekeeping, storage
 from hyperpodrun.data.config import CacheResumeMMAPConfig
@@ -104,7 +105,7 @@ class MMAPDataLoader:
     def __init__(self, loader: Iterable, config: Optional[CacheResumeMMAPConfig] = None, *,
                  epochs: Optional[int] = None, name: str = "train", rank: Optional[int] = None) -> None:
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
-            raise ValueError(f"MMAPDataLoader(epochs={epochs!r}): a positive number of epochs, or None")
+            raise ApiValueError(f"MMAPDataLoader(epochs={epochs!r}): a positive number of epochs, or None")
         self.loader = loader
         self.config = config if config is not None else CacheResumeMMAPConfig()
         self.epochs = epochs
@@ -121,9 +122,9 @@ class MMAPDataLoader:
     def iter_from(self, step: int, stop: Optional[int] = None) -> Iterator[tuple[int, Any]]:
         """(step, batch) for step = `step`, `step` + 1, ... up to `stop` (exclusive) or the end of the data."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"iter_from(step={step!r}): a step index >= 0 (e.g. the restored step)")
+            raise ApiValueError(f"iter_from(step={step!r}): a step index >= 0 (e.g. the restored step)")
         if stop is not None and (isinstance(stop, bool) or not isinstance(stop, int) or stop < step):
-            raise ValueError(f"iter_from(stop={stop!r}): None or a step >= {step}")
+            raise ApiValueError(f"iter_from(stop={stop!r}): None or a step >= {step}")
         return self._stream(step, stop, one_epoch=False)
 
     def __iter__(self) -> Iterator[Any]:
@@ -131,7 +132,10 @@ class MMAPDataLoader:
         return (batch for _, batch in self._stream(self.cursor, None, one_epoch=True))
 
     def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
+        if not isinstance(self.loader, Sized):
+            raise ApiTypeError(f"{type(self.loader).__qualname__} has no len(), so the MMAPDataLoader over it has "
+                               "none either")
+        return len(self.loader)
 
     def state_dict(self) -> dict:
         """{"step": the next step}: put the loader into your checkpoint state to resume it with the model."""
@@ -313,8 +317,8 @@ class MMAPDataLoader:
                 if first:
                     self.stats["first_batch_s"] = time.monotonic() - t_call
                     first = False
-                if produce:
-                    self._start_producer(group)   # type: ignore[arg-type]
+                if produce and group is not None:   # produce is only ever set with a group
+                    self._start_producer(group)
                     produce = False
                 self.stats[origin] += 1
                 self.cursor = step + 1

@@ -14,6 +14,8 @@ from typing import Iterator, Sized, Union
 import torch
 from torch.utils.data import Sampler
 
+from hyperpodrun.errors import ApiValueError
+
 
 class ResumableSampler(Sampler[int]):
     """Indices of one replica's share of an epoch, optionally shuffled by (seed, epoch).
@@ -28,10 +30,10 @@ class ResumableSampler(Sampler[int]):
                  num_replicas: int = 1, rank: int = 0, drop_last: bool = False) -> None:
         self.size = data_source if isinstance(data_source, int) else len(data_source)
         if self.size < 0:
-            raise ValueError(f"ResumableSampler: negative dataset length {self.size}")
+            raise ApiValueError(f"ResumableSampler: negative dataset length {self.size}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"ResumableSampler(num_replicas={num_replicas}, rank={rank}): need 0 <= rank < "
-                             "num_replicas")
+            raise ApiValueError(f"ResumableSampler(num_replicas={num_replicas}, rank={rank}): need 0 <= rank < "
+                                "num_replicas")
         self.shuffle = shuffle
         self.seed = int(seed)
         self.num_replicas = num_replicas
@@ -53,7 +55,7 @@ class ResumableSampler(Sampler[int]):
     def resume_from(self, epoch: int, offset: int) -> None:
         """Start the next iteration at index `offset` of this replica's share of `epoch`."""
         if offset < 0:
-            raise ValueError(f"ResumableSampler.resume_from(offset={offset}): must be >= 0")
+            raise ApiValueError(f"ResumableSampler.resume_from(offset={offset}): must be >= 0")
         self.epoch = int(epoch)
         self.offset = int(offset)
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from hyperpodrun.data.errors import DataStateLostError
+from hyperpodrun.errors import DataStateLostError, OutOfOrderError
 
 log = logging.getLogger("hyperpodrun.data")
 
@@ -59,7 +59,7 @@ class Source:
     """Iterates the wrapped loader across epochs; `seek` positions it, `next` returns (batch, meta)."""
 
     def __init__(self, loader: Iterable, *, epochs: Optional[int] = None, replay: bool = False) -> None:
-        self.loader = loader
+        self.loader: Any = loader   # duck-typed: what it offers besides iteration is in self.kind
         self.epochs = epochs
         self.replay = replay
         self.sampler, self.batch_size = _resumable_sampler(loader)
@@ -114,7 +114,7 @@ class Source:
             base = int(getattr(self.sampler, "seed", 0) or 0)
             self._generator.manual_seed((base * 1_000_003 + epoch) & (2 ** 63 - 1))
 
-    def _open(self, epoch: int, index: int, state: Any = None) -> None:
+    def _open(self, epoch: int, index: int, state: Any = None) -> Iterator[Any]:
         """A new iterator over `epoch` whose first batch is `index` (state: the loader's state there)."""
         self._it = None   # drop the old iterator first (its DataLoader workers end)
         self._set_epoch(epoch)
@@ -122,9 +122,10 @@ class Source:
             self.sampler.resume_from(epoch, index * self.batch_size)
         if state is not None:
             self.loader.load_state_dict(state)
-        self._it = iter(self.loader)
+        it = self._it = iter(self.loader)
         self._fresh = index == 0 and state is None
         self.epoch, self.index = epoch, index
+        return it
 
     def _skip(self, count: int) -> None:
         for _ in range(count):
@@ -150,7 +151,7 @@ class Source:
             self.step, self.last_seek = 0, "start"
             return
         if self.kind == "sampler":
-            per_epoch = len(self.loader)  # type: ignore[arg-type]
+            per_epoch = len(self.loader)
             if per_epoch <= 0:
                 self._open(0, 0)
                 self.step, self.last_seek = 0, "start"
@@ -189,14 +190,13 @@ class Source:
     def next(self) -> Optional[tuple[Any, dict]]:
         """The batch of step `self.step` and its meta, or None when the data ran out."""
         if self.step is None:
-            raise RuntimeError("Source.next() before seek()")
+            raise OutOfOrderError("Source.next() before seek()")
         while True:
             if self.epochs is not None and self.epoch >= self.epochs:
                 return None
-            if self._it is None:
-                self._open(self.epoch, 0)
+            it = self._it if self._it is not None else self._open(self.epoch, 0)
             try:
-                batch = next(self._it)   # type: ignore[arg-type]
+                batch = next(it)
             except StopIteration:
                 empty = self._fresh and self.index == 0
                 self._it = None
@@ -207,7 +207,7 @@ class Source:
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
             meta = {"step": self.step, "epoch": self.epoch, "index": self.index,
-                    "state": self.loader.state_dict() if self.kind == "state" else None}  # type: ignore[attr-defined]
+                    "state": self.loader.state_dict() if self.kind == "state" else None}
             self.step += 1
             self.index += 1
             return batch, meta

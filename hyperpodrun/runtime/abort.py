@@ -1,4 +1,4 @@
-"""Abort and finalize: what a live rank does between a fault and READY (DESIGN §4.3).
+"""Abort and finalize: what a live rank does between a fault and READY (docs/ARCHITECTURE.md, "Restart protocol", step 3).
 
 Each is a callable object users can replace or compose: `abort()` tears down the process groups so
 nothing stays blocked on the failed generation; `finalize()` ends the worker's own child processes and
@@ -206,8 +206,8 @@ class AbortProcessGroups(Abort):
         except Exception as exc:
             log.warning("destroy_process_group failed (%s); dropping the group", exc)
             try:
-                dist.distributed_c10d._world.pg_map.clear()  # type: ignore[attr-defined]
-                dist.distributed_c10d.GroupMember.WORLD = None  # type: ignore[attr-defined]
+                dist.distributed_c10d._world.pg_map.clear()
+                dist.distributed_c10d.GroupMember.WORLD = None
             except Exception:
                 pass
         shutdown_generation_sockets()
@@ -256,7 +256,7 @@ class CheckpointlessFinalizeCleanup:
 
     def __call__(self) -> None:
         self.end_children()
-        sys.last_traceback = sys.last_value = sys.last_type = None  # type: ignore[assignment]
+        sys.last_traceback = sys.last_value = sys.last_type = None
         for fn in self.extra:
             fn()
         gc.collect()

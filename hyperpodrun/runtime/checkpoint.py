@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import mmap
 import operator
 import os
 import shutil
@@ -40,13 +39,14 @@ import threading
 from typing import Any, Mapping, Optional, Sequence
 
 from hyperpodrun import env as E
-from hyperpodrun.errors import EXIT_STATE_LOST
+from hyperpodrun import settings
+from hyperpodrun.errors import (ApiTypeError, ApiValueError, SnapshotCorrupt, StateLostError, StateMismatchError,
+                                UnsupportedStateError)
 from hyperpodrun.runtime import replicas, shm_runs
 from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
-from hyperpodrun.runtime.safe_codec import UnsupportedStateError
-from hyperpodrun.runtime.snapshot_io import SnapshotCorrupt
+from hyperpodrun.runtime.restore_plan import Inventory, find_snapshots, gather, map_private, plan_restore
 from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
                                              rng_state, saved_where, set_rng_state, state_dict_of, tensors_in)
 from hyperpodrun.safe_fs import private_dir
@@ -56,15 +56,9 @@ log = logging.getLogger("hyperpodrun.runtime")
 
 def _check_state(state: Any, call: str) -> None:
     if not isinstance(state, Mapping):
-        raise TypeError(f"CheckpointManager.{call}(state=...): state must be a dict of names to objects with "
-                        f"state_dict()/load_state_dict() (model, optimizer, ...) or values, not "
-                        f"{type(state).__name__}")
-
-
-class StateLostError(RuntimeError):
-    """Some rank's committed state survives nowhere (exit code 75)."""
-
-    exit_code = EXIT_STATE_LOST
+        raise ApiTypeError(f"CheckpointManager.{call}(state=...): state must be a dict of names to objects with "
+                           f"state_dict()/load_state_dict() (model, optimizer, ...) or values, not "
+                           f"{type(state).__name__}")
 
 
 class CheckpointManager:
@@ -91,20 +85,20 @@ class CheckpointManager:
                  num_distributed_optimizer_instances: Optional[int] = None,
                  peer_copy: Optional[bool] = None) -> None:
         if replica_groups is not None and num_distributed_optimizer_instances is not None:
-            raise ValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
-                             "not both")
+            raise ApiValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
+                                "not both")
         if num_distributed_optimizer_instances is not None and num_distributed_optimizer_instances < 1:
-            raise ValueError(f"CheckpointManager(num_distributed_optimizer_instances="
-                             f"{num_distributed_optimizer_instances}): must be >= 1 (2 or more for redundancy)")
+            raise ApiValueError(f"CheckpointManager(num_distributed_optimizer_instances="
+                                f"{num_distributed_optimizer_instances}): must be >= 1 (2 or more for redundancy)")
         if fallback_every is not None and fallback_every < 1:
-            raise ValueError(f"CheckpointManager(fallback_every={fallback_every}): must be >= 1")
+            raise ApiValueError(f"CheckpointManager(fallback_every={fallback_every}): must be >= 1")
         if fallback_every is not None and not fallback_dir:
-            raise ValueError("CheckpointManager(fallback_every=...) needs fallback_dir= (where to write)")
+            raise ApiValueError("CheckpointManager(fallback_every=...) needs fallback_dir= (where to write)")
         self.enable_checksum = enable_checksum
         self.enable_offload = enable_offload
         self.fallback_dir = fallback_dir
         self.fallback_every = fallback_every or (1 if fallback_dir else None)
-        self.shm_dir = shm_dir or os.environ.get("HYPERPODRUN_SHM_DIR", "/dev/shm")
+        self.shm_dir = shm_dir or settings.current().shm_dir
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups is not None else None
         self.num_instances = num_distributed_optimizer_instances
         self._session: Any = None
@@ -121,8 +115,16 @@ class CheckpointManager:
         self._exit_hook = False
 
     # ------------------------------------------------------------------ wiring
-    def _attach(self, caller: Any, session: Any) -> None:
-        """Called by HPWrapper at every (re-)entry."""
+    @property
+    def caller(self) -> Any:
+        """The `caller` (CallWrapper) of the wrapped function's current call, once HPWrapper has attached this
+        manager (None before): where this generation sits, and its `progress(step)`."""
+        return self._caller
+
+    def attach(self, caller: Any, session: Any) -> None:
+        """Wire this manager to the wrapped function's current call; HPWrapper calls it at every (re-)entry,
+        before the function runs (`session`: the process's control session, None outside
+        --inprocess-restart)."""
         self._caller, self._session = caller, session
         self._layouts.reset()
         world = int(os.environ.get("WORLD_SIZE", 1))
@@ -190,8 +192,8 @@ class CheckpointManager:
         except TypeError:
             step = -1 if not isinstance(step, str) else step
         if not isinstance(step, int) or step < 0:
-            raise ValueError(f"CheckpointManager.save(step={step!r}): step must be the number of completed "
-                             "optimizer steps, an int >= 0 (call save(step + 1, state) after optimizer.step())")
+            raise ApiValueError(f"CheckpointManager.save(step={step!r}): step must be the number of completed "
+                                "optimizer steps, an int >= 0 (call save(step + 1, state) after optimizer.step())")
         interrupter = getattr(self._session, "interrupter", None)
         if interrupter is None:
             self._save(step, state)
@@ -260,7 +262,7 @@ class CheckpointManager:
     def _write_fallback(self, step: int, slot: str) -> None:
         if self._fallback is not None:
             self._fallback.join()   # one write in flight at a time; a slow disk slows saving, never corrupts
-        blob = bytes(self._map(slot))   # a private copy: the slot is rewritten two saves later
+        blob = bytes(map_private(slot))   # a private copy: the slot is rewritten two saves later
 
         def write() -> None:
             d = os.path.join(self.fallback_dir or ".", f"rank{self.rank}")
@@ -275,33 +277,6 @@ class CheckpointManager:
         self._fallback.start()
 
     # ------------------------------------------------------------------ restore
-    @staticmethod
-    def _map(path: str) -> Any:
-        """A private (copy-on-write) mapping of a slot or fallback file, never opened through a symlink."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        finally:
-            os.close(fd)
-
-    def _candidates(self, directory: str) -> dict[int, str]:
-        """step -> path of every complete, intact snapshot in `directory` (bad ones are skipped, loudly)."""
-        found: dict[int, str] = {}
-        if not os.path.isdir(directory):
-            return found
-        for name in os.listdir(directory):
-            if name.endswith(".tmp"):
-                continue
-            path = os.path.join(directory, name)
-            try:
-                data = self._map(path)
-                step = io.verify(data, path)
-            except (SnapshotCorrupt, OSError, ValueError) as exc:
-                log.error("ignoring snapshot %s", exc)
-                continue
-            found[step] = path
-        return found
-
     def _groups(self, state: Mapping[str, Any], world: int) -> list[list[int]]:
         if self.replica_groups is not None:
             return replicas.validate_groups(self.replica_groups, world)
@@ -313,71 +288,44 @@ class CheckpointManager:
         """Load the newest step every rank can get into `state`; returns it, or None on a fresh start.
 
         A rank gets a step from its own shared memory, else from a replica peer's memory, else from the
-        disk fallback. Raises StateLostError (exit code 75) when some rank's state survives nowhere.
+        disk fallback (hyperpodrun/runtime/restore_plan.py). Raises StateLostError (exit code 75) when some
+        rank's state survives nowhere.
         """
         import torch.distributed as dist
         _check_state(state, "restore")
         self.wait()
-        shm = self._candidates(self._ensure_dir())
-        disk = self._candidates(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
+        shm = find_snapshots(self._ensure_dir())
+        disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
-        mine = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
-                "copies": {src: sorted(steps) for src, steps in copies.items()}}
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed:
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-        else:
-            everyone = [mine]
-        if not any(e["shm"] or e["disk"] for e in everyone):
+        mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
+                           "copies": {src: sorted(steps) for src, steps in copies.items()}}
+        plan = plan_restore(gather(mine), lambda world: self._groups(state, world))
+        if plan is None:
             return None
-        world = len(everyone)
-        groups = self._groups(state, world)
-        mem = [set(e["shm"]) for e in everyone]
-        on_disk = [set(e["disk"]) for e in everyone]
-        held = {h: {int(src): set(steps) for src, steps in e["copies"].items()} for h, e in enumerate(everyone)}
-
-        def in_memory(r: int, s: int) -> bool:
-            return any(s in mem[p] for p in replicas.group_of(groups, r)) or \
-                any(s in c.get(r, ()) for c in held.values())
-        steps = set().union(*mem, *on_disk)
-        from_memory = [s for s in steps if all(in_memory(r, s) for r in range(world))]
-        anywhere = [s for s in steps if all(in_memory(r, s) or s in on_disk[r] for r in range(world))]
-        if not anywhere:
-            newest = max(steps)
-            missing = [r for r in range(world) if not (in_memory(r, newest) or newest in on_disk[r])]
-            raise StateLostError(
-                f"the state of rank(s) {missing} at step {newest} survives nowhere (no snapshot in shared memory, "
-                f"none on a replica peer, no fallback checkpoint); configure CheckpointManager(fallback_dir=...) "
-                f"or replicas (replica_groups= / num_distributed_optimizer_instances=) to survive this")
-        step = max(from_memory) if from_memory else max(anywhere)
-        pairs = replicas.plan_transfers(groups, mem, step, held)
-        source = pairs[0][2] if pairs else ("memory" if from_memory else "disk")
+        step = plan.step
 
         def blob_for(receiver: int, kind: str) -> bytes:
-            return bytes(self._map(shm[step] if kind == "replica" else copies[receiver][step]))
-        data = None
-        if pairs and distributed:
-            received = replicas.transfer(pairs, self.rank, blob_for)
+            return bytes(map_private(shm[step] if kind == "replica" else copies[receiver][step]))
+        data: Any = None
+        if plan.pairs and dist.is_available() and dist.is_initialized():
+            received = replicas.transfer(plan.pairs, self.rank, blob_for)
             if received is not None:
                 data = bytearray(received)
                 self._keep(step, received)
-        verified = data is None        # our own slot or fallback file: _candidates checked it just now
+        verified = data is None        # our own slot or fallback file: find_snapshots checked it just now
         if data is None:
-            data = self._map(shm.get(step) or disk[step])
+            data = map_private(shm.get(step) or disk[step])
         try:
             _, payload = io.decode(data, f"snapshot of step {step}", verify=not verified, copy=False)  # _load copies
         except SnapshotCorrupt as exc:
             raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") from exc
         self._load(payload, state)
-        latest = max((e["latest"] for e in everyone if e["latest"] is not None), default=step)
-        lost = max(0, latest - step)
         self.last_saved = step
         if self._session is not None and self.rank == 0:
             from hyperpodrun import protocol as P
             self._session.send(P.Restored(rank=self.rank, pid=os.getpid(), generation=self._caller.iteration,
-                                          step=step, lost_steps=lost, source=source))
-        log.info("restored step %d from %s (%d step(s) lost)", step, source, lost)
+                                          step=step, lost_steps=plan.lost_steps, source=plan.source))
+        log.info("restored step %d from %s (%d step(s) lost)", step, plan.source, plan.lost_steps)
         return step
 
     def _keep(self, step: int, blob: bytes) -> None:
@@ -392,15 +340,15 @@ class CheckpointManager:
         import torch
         for name, obj in state.items():
             if name not in payload["state"]:
-                raise KeyError(f"snapshot has no entry {name!r}; the state dict given to save() and restore() "
-                               "must have the same keys")
+                raise StateMismatchError(f"snapshot has no entry {name!r}; the state dict given to save() and "
+                                         "restore() must have the same keys")
             kind, saved = payload["state"][name]
             if kind == "sd":
                 load_state_dict_into(obj, like(saved, state_dict_of(obj), device_of(obj)))
                 if isinstance(obj, torch.optim.Optimizer):
                     fix_optimizer_dtensors(obj)
             elif isinstance(state, dict):
-                state[name] = like(saved, None)  # type: ignore[index]
+                state[name] = like(saved, None)
         if payload.get("ddp_layouts"):
             self._layouts.restore(payload["ddp_layouts"])
         set_rng_state(payload["rng"])
@@ -414,7 +362,7 @@ class CheckpointManager:
 
 def _launched() -> bool:
     """Whether a launcher (hyperpodrun, torchrun) started this process, and may start it again."""
-    return E.HYPERPODRUN_RUN_DIR in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    return E.worker_context().launched
 
 
 __all__ = ["CheckpointManager", "StateLostError", "SnapshotCorrupt", "UnsupportedStateError"]

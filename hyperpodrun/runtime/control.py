@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from typing import Callable
@@ -47,7 +46,6 @@ class ControlClient:
         self._wake_r, self._wake_w = os.pipe()   # close() wakes the monitor thread's poll at once
         os.set_blocking(self._wake_w, False)
         self._disabled = False
-        self.inbox: "queue.Queue[P._Msg]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hyperpodrun-monitor", daemon=True)
         if not _FORK_HOOKED:
             os.register_at_fork(after_in_child=_after_fork_in_child)

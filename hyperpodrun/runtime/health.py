@@ -11,11 +11,9 @@ import logging
 import threading
 from typing import Any
 
+from hyperpodrun.errors import ApiValueError, HealthCheckError
+
 log = logging.getLogger("hyperpodrun.runtime")
-
-
-class HealthCheckError(RuntimeError):
-    """This process cannot continue (e.g. a sticky CUDA error): the agent must replace it."""
 
 
 class CudaHealthCheck:
@@ -28,7 +26,7 @@ class CudaHealthCheck:
 
     def __init__(self, timeout: float = 30.0) -> None:
         if timeout <= 0:
-            raise ValueError(f"CudaHealthCheck(timeout={timeout}): the timeout must be positive seconds")
+            raise ApiValueError(f"CudaHealthCheck(timeout={timeout}): the timeout must be positive seconds")
         self.timeout = timeout
 
     def __call__(self) -> None:

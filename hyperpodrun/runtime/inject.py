@@ -13,12 +13,9 @@ import threading
 from typing import Optional
 
 from hyperpodrun import protocol as P
+from hyperpodrun.errors import InjectedFault
 
 log = logging.getLogger("hyperpodrun.runtime")
-
-
-class InjectedFault(RuntimeError):
-    """Raised by an injected `raise` fault."""
 
 
 class Injector:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
 class RestartInterrupt(BaseException):
@@ -35,7 +35,7 @@ class Interrupter:
         self._queued = False      # an async exception is pending in the main thread
         self._deferred = False    # raise once the current optimizer step is over
         self.target = -1          # highest generation a RESTART asked for
-        self._hooks = None
+        self._hooks: Optional[tuple[Any, ...]] = None   # the optimizer step hooks' handles, once installed
 
     def install_optimizer_hooks(self) -> None:
         if self._hooks is not None:

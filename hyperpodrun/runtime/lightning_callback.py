@@ -29,6 +29,8 @@ import logging
 import sys
 from typing import Any, Optional
 
+from hyperpodrun.errors import ApiTypeError, ApiValueError, MissingDependencyError
+
 log = logging.getLogger("hyperpodrun.runtime")
 
 _DISTRIBUTIONS = ("lightning.pytorch", "pytorch_lightning")
@@ -45,8 +47,9 @@ def _callback_bases() -> tuple[type, ...]:
             return (importlib.import_module(name).Callback,)
         except ImportError:
             continue
-    raise ImportError("CheckpointlessCallback needs Lightning: pip install lightning (or pytorch_lightning); "
-                      "without Lightning use CheckpointManager.save()/restore() in your own loop")
+    raise MissingDependencyError("CheckpointlessCallback needs Lightning: pip install lightning (or "
+                                 "pytorch_lightning); without Lightning use CheckpointManager.save()/restore() in "
+                                 "your own loop")
 
 
 def _has_state(obj: Any) -> bool:
@@ -114,20 +117,21 @@ class CheckpointlessCallback:
     def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointlessCallback":
         bases = tuple(b for b in _callback_bases() if not issubclass(cls, b))
         if bases:
-            sub = CheckpointlessCallback._subclasses.get((cls, *bases))
+            key = (cls, *bases)
+            sub = CheckpointlessCallback._subclasses.get(key)
             if sub is None:
-                sub = type(cls.__name__, (cls, *bases), {"__module__": cls.__module__, "__doc__": cls.__doc__})
-                CheckpointlessCallback._subclasses[(cls, *bases)] = sub
+                sub = type(cls.__name__, key, {"__module__": cls.__module__, "__doc__": cls.__doc__})
+                CheckpointlessCallback._subclasses[key] = sub
             cls = sub
         return object.__new__(cls)
 
     def __init__(self, checkpoint_manager: Any, save_every: int = 1) -> None:
         from hyperpodrun.runtime.checkpoint import CheckpointManager
         if not isinstance(checkpoint_manager, CheckpointManager):
-            raise TypeError(f"CheckpointlessCallback(checkpoint_manager={type(checkpoint_manager).__name__}): "
-                            "needs the CheckpointManager given to HPWrapper(checkpoint_manager=...)")
+            raise ApiTypeError(f"CheckpointlessCallback(checkpoint_manager={type(checkpoint_manager).__name__}): "
+                               "needs the CheckpointManager given to HPWrapper(checkpoint_manager=...)")
         if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
-            raise ValueError(f"CheckpointlessCallback(save_every={save_every!r}): an int >= 1 (optimizer steps)")
+            raise ApiValueError(f"CheckpointlessCallback(save_every={save_every!r}): an int >= 1 (optimizer steps)")
         self.checkpoint_manager = checkpoint_manager
         self.save_every = save_every
         self.restored_step: Optional[int] = None
@@ -148,7 +152,7 @@ class CheckpointlessCallback:
                      trainer.current_epoch)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        caller = getattr(trainer, "wrapper", None) or getattr(self.checkpoint_manager, "_caller", None)
+        caller = getattr(trainer, "wrapper", None) or self.checkpoint_manager.caller
         if caller is not None and callable(getattr(caller, "progress", None)):
             caller.progress(trainer.global_step)
 

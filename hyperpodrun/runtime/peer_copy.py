@@ -32,6 +32,7 @@ import threading
 from typing import Any, Optional
 
 from hyperpodrun import auth, netaddr, safe_fs
+from hyperpodrun.runtime import shm_runs
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -76,7 +77,7 @@ class PeerCopies:
         self.source = source_of(rank, world, local_world)
         worker_key = key if key is not None else auth.worker_key()
         self._key = auth.derive(worker_key, "peer-copy") if worker_key else None
-        self._run = run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        self._run = run_id if run_id is not None else shm_runs.run_id()
         if self._key is None:
             log.warning("no HYPERPODRUN_JOB_KEY in the environment (not started by hyperpodrun?): slot copies to "
                         "another node are off")

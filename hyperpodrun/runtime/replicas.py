@@ -11,11 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
+from hyperpodrun.errors import ReplicaLayoutError
+
 log = logging.getLogger("hyperpodrun.runtime")
-
-
-class ReplicaLayoutError(ValueError):
-    """The replica layout given to CheckpointManager does not fit the job."""
 
 
 def instance_groups(world: int, instances: int) -> list[list[int]]:

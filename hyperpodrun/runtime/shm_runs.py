@@ -34,6 +34,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from hyperpodrun import env as E
+from hyperpodrun import settings
 from hyperpodrun.safe_fs import UnsafePathError, open_private, private_dir
 
 log = logging.getLogger("hyperpodrun.runtime")
@@ -49,15 +51,15 @@ def safe_name(text: str) -> str:
 
 def run_id() -> str:
     """The job's id as the worker sees it (torchrun's TORCHELASTIC_RUN_ID; 'local' outside a launcher)."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    return E.worker_context().run_id or "local"
 
 
 def owner_pid() -> int:
     """The process whose life bounds this run on this node (see the module doc)."""
-    agent = os.environ.get("HYPERPODRUN_AGENT_PID")
-    if agent and agent.isdigit():
-        return int(agent)
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
+    ctx = E.worker_context()
+    if ctx.agent_pid is not None:
+        return ctx.agent_pid
+    if ctx.run_id:
         return os.getppid()
     return os.getpid()
 
@@ -276,7 +278,7 @@ def remove_finished(base: str, run: str, owner: int) -> bool:
 
 def checkpoint_base(shm_dir: Optional[str] = None) -> str:
     """Where CheckpointManager keeps its run directories: `<shm>/hyperpodrun-<uid>`."""
-    shm = shm_dir or os.environ.get("HYPERPODRUN_SHM_DIR") or "/dev/shm"
+    shm = shm_dir or settings.current().shm_dir
     return os.path.join(shm, f"hyperpodrun-{os.getuid()}")
 
 

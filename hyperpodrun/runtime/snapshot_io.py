@@ -31,6 +31,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hyperpodrun.errors import SnapshotCorrupt
 from hyperpodrun.runtime import safe_codec
 from hyperpodrun.runtime.safe_codec import CodecError, TensorRef
 from hyperpodrun.runtime.slot_checksum import CHUNK, ChunkSums, chunk_crcs
@@ -43,10 +44,6 @@ HEADER = struct.Struct("<8sqIBxxxQQI")  # magic, step, crc, complete flag, meta 
 _SUMMED = struct.Struct("<qQQI")        # the header fields the checksum covers
 HEADER_LEN = 64
 ALIGN = 64
-
-
-class SnapshotCorrupt(ValueError):
-    """A snapshot is incomplete, failed its checksum or holds malformed metadata: it is ignored."""
 
 
 def _local(t: Any) -> Any:
@@ -120,6 +117,8 @@ class SlotFile:
     def _pin(self) -> None:
         import ctypes
         import torch
+        if self._map is None:
+            return
         try:
             buf = (ctypes.c_char * self._size).from_buffer(self._map)
             ptr = ctypes.addressof(buf)

@@ -89,9 +89,10 @@ def like(saved: Any, current: Any, device: Any = None) -> Any:
         if isinstance(current, torch.Tensor):
             if hasattr(current, "placements") and hasattr(current, "device_mesh"):
                 from torch.distributed.tensor import DTensor
-                local = saved.to(current.to_local().device, copy=True)
-                return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
-                                          shape=current.shape, stride=current.stride())
+                if isinstance(current, DTensor):
+                    local = saved.to(current.to_local().device, copy=True)
+                    return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
+                                              shape=current.shape, stride=current.stride())
             return saved.to(current.device, copy=True)
         if device is None or saved.dim() == 0:      # scalars (an optimizer's step): the owner places them
             return saved.clone()
@@ -101,8 +102,8 @@ def like(saved: Any, current: Any, device: Any = None) -> Any:
         out = {k: like(v, cur.get(k), device) for k, v in saved.items()}
         return collections.OrderedDict(out) if type(saved) is collections.OrderedDict else out
     if isinstance(saved, (list, tuple)):
-        cur = current if isinstance(current, (list, tuple)) and len(current) == len(saved) else [None] * len(saved)
-        items = [like(s, c, device) for s, c in zip(saved, cur)]
+        peers = current if isinstance(current, (list, tuple)) and len(current) == len(saved) else [None] * len(saved)
+        items = [like(s, c, device) for s, c in zip(saved, peers)]
         return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
     return saved
 

@@ -63,7 +63,9 @@ def _collective_seq() -> Optional[int]:
     try:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
-            return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+            group = dist.distributed_c10d._get_default_group()
+            # a private ProcessGroup method that torch's stubs do not declare
+            return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
     except Exception:
         return None
     return None

@@ -26,30 +26,26 @@ from typing import Any, Callable, Optional
 
 from hyperpodrun import env as E
 from hyperpodrun import protocol as P
-from hyperpodrun.errors import EXIT_WORKER_UNHEALTHY
-from hyperpodrun.runtime.checkpoint import StateLostError
+from hyperpodrun.errors import (EXIT_WORKER_UNHEALTHY, ApiValueError, HealthCheckError, RankEnvironmentTimeout,
+                                StateLostError, UnsafePathError)
 from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, CheckpointlessFinalizeCleanup,
-                                       mark_generation_start, park_process_groups, release_parked)
-from hyperpodrun.runtime.health import CudaHealthCheck, HealthCheckError
-from hyperpodrun.runtime.inject import Injector, execute
-from hyperpodrun.runtime.interrupt import Interrupter, RestartInterrupt
-from hyperpodrun.runtime.torch_state import (_abort_nccl_from_monitor, _collective_seq, _device_ids,
-                                             _drop_frames, _exit_without_last_collection, _main_stack,
-                                             _preload_torch_modules, _reset_torch_group_counter,
-                                             _warn_existing_group)
-from hyperpodrun.safe_fs import UnsafePathError
+                                       mark_generation_start, release_parked)
+from hyperpodrun.runtime.health import CudaHealthCheck
+from hyperpodrun.runtime.interrupt import RestartInterrupt
+from hyperpodrun.runtime.session import Session
+from hyperpodrun.runtime.torch_state import (_device_ids, _drop_frames, _exit_without_last_collection,
+                                             _preload_torch_modules, _reset_torch_group_counter, _warn_existing_group)
+from hyperpodrun.symptoms import SECONDARY_MARKERS as _SECONDARY_MARKERS   # shared with the agent
 
 log = logging.getLogger("hyperpodrun.runtime")
 
 #: deterministic programming errors: retrying them only burns time (override with fatal_exceptions=)
 DEFAULT_FATAL = (TypeError, NameError, AttributeError, SyntaxError, ImportError, NotImplementedError, UnsafePathError)
 
-from hyperpodrun.symptoms import SECONDARY_MARKERS as _SECONDARY_MARKERS  # noqa: E402 (shared with the agent)
-
 
 def inprocess_enabled() -> bool:
     """True when this process runs under `hyperpodrun --inprocess-restart`."""
-    return os.environ.get(E.HYPERPODRUN_INPROCESS) == "1" and bool(os.environ.get(E.HYPERPODRUN_CONTROL))
+    return E.worker_context().under_inprocess_restart
 
 
 @dataclass
@@ -69,11 +65,11 @@ def wait_rank(timeout: float = 600.0) -> RankInfo:
     """
     deadline = time.monotonic() + timeout
     needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    launched = E.HYPERPODRUN_RUN_DIR in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    launched = E.worker_context().launched
     while launched and not all(k in os.environ for k in needed):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank environment incomplete after {timeout:g}s: missing "
-                               f"{[k for k in needed if k not in os.environ]}")
+            raise RankEnvironmentTimeout(f"rank environment incomplete after {timeout:g}s: missing "
+                                         f"{[k for k in needed if k not in os.environ]}")
         time.sleep(0.05)
     if not launched:
         import socket
@@ -92,7 +88,7 @@ def wait_rank(timeout: float = 600.0) -> RankInfo:
 class CallWrapper:
     """The `caller` argument of a wrapped function: where this call sits in the job's restart history."""
 
-    def __init__(self, iteration: int, restart_reason: str = "", session: Optional["_Session"] = None) -> None:
+    def __init__(self, iteration: int, restart_reason: str = "", session: Optional[Session] = None) -> None:
         self.iteration = iteration
         self.restart_reason = restart_reason
         self.step: Optional[int] = None
@@ -128,100 +124,6 @@ class CallWrapper:
         return self._store
 
 
-class _Session:
-    """This process's connection to the agent and its restart bookkeeping (one per process)."""
-
-    _instance: Optional["_Session"] = None
-
-    def __init__(self) -> None:
-        from hyperpodrun.runtime.control import ControlClient
-        self.rank = int(os.environ["RANK"])
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.generation = int(os.environ.get(E.HYPERPODRUN_GENERATION, 0))
-        self.step: Optional[int] = None
-        self.state = "running"
-        self.device: dict = _device_ids()   # GPU UUID / PCI bus id, once CUDA is initialised
-        self.interrupter = Interrupter()
-        self.restart_seen = -1     # highest generation a RESTART named (set before any abort)
-        self.interrupter.install_optimizer_hooks()
-        self._park_on_destroy()
-        self.injector = Injector()
-        self.go: dict[int, P.Go] = {}
-        self.shutdown: Optional[P.Shutdown] = None
-        self.reason = ""
-        self._cv = threading.Condition()
-        interval = float(os.environ.get(E.HYPERPODRUN_HEARTBEAT_INTERVAL, "1.0"))
-        self.client = ControlClient(os.environ[E.HYPERPODRUN_CONTROL], self.rank, interval, self._on_command,
-                                    self._status)
-        self.client.start(P.Hello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
-                                  generation=self.generation, **self.device))
-
-    @staticmethod
-    def _park_on_destroy() -> None:
-        """Make the user's own `destroy_process_group()` park the groups first (see abort.park_process_groups):
-        otherwise the group dies when the function's frame (holding DDP) is freed, in the main thread."""
-        try:
-            import torch.distributed as dist
-            import torch.distributed.distributed_c10d as c10d
-        except ImportError:
-            return
-        original = c10d.destroy_process_group
-        if getattr(original, "_hyperpodrun_parks", False):
-            return
-
-        @functools.wraps(original)
-        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-            park_process_groups()
-            return original(*args, **kwargs)
-        destroy_process_group._hyperpodrun_parks = True  # type: ignore[attr-defined]
-        c10d.destroy_process_group = destroy_process_group
-        dist.destroy_process_group = destroy_process_group
-
-    @classmethod
-    def get(cls) -> "_Session":
-        if cls._instance is None or cls._instance.client.pid != os.getpid():
-            cls._instance = _Session()
-        return cls._instance
-
-    # monitor thread
-    def _status(self) -> dict:
-        status = {"generation": self.generation, "step": self.step, "seq": _collective_seq(), "state": self.state,
-                  **self.device}
-        if self.state == "recovering" or (self.state == "running" and self.interrupter.target > self.generation):
-            status["stack"] = _main_stack()   # a restart is under way: where this rank is, should it not get READY
-        return status
-
-    def _on_command(self, msg: P._Msg) -> None:
-        if isinstance(msg, P.Restart):
-            self.reason = msg.reason
-            # before the abort: a snapshot whose copy completes from here on may hold aborted work
-            self.restart_seen = max(self.restart_seen, msg.generation)
-            if msg.generation > self.interrupter.target and self.state == "running":
-                _abort_nccl_from_monitor()
-            self.interrupter.request(msg.generation)
-        elif isinstance(msg, P.Inject):
-            if msg.step is None and msg.kind in ("kill", "segv", "exit"):
-                execute(msg, self.step)
-            else:
-                self.injector.arm(msg)
-            return
-        with self._cv:
-            if isinstance(msg, P.Go):
-                self.go[msg.generation] = msg
-            elif isinstance(msg, P.Shutdown):
-                self.shutdown = msg
-            self._cv.notify_all()
-
-    # main thread
-    def wait(self, done: Callable[[], bool]) -> None:
-        with self._cv:
-            while not done():
-                self._cv.wait(0.5)
-
-    def send(self, msg: P._Msg) -> None:
-        self.client.send(msg)
-
-
 def _secondary(exc: BaseException) -> bool:
     text = f"{type(exc).__name__}: {exc}".lower()
     return any(m in text for m in _SECONDARY_MARKERS)
@@ -234,7 +136,7 @@ class HPWrapper:
     without CUDA; abort the process groups; end child processes and collect garbage). abort_timeout: seconds
     abort may take before this process gives up and is replaced. checkpoint_manager: restores state on
     re-entry (see CheckpointManager). fatal_exceptions: exception classes that end the job instead of
-    restarting it.
+    restarting it. hp_api_factory: accepted for compatibility with the product note's API; it has no effect.
     """
 
     def __init__(self, *, health_check: Optional[Callable[[], Any]] = None,
@@ -242,13 +144,12 @@ class HPWrapper:
                  abort_timeout: float = 60.0, checkpoint_manager: Any = None, hp_api_factory: Any = None,
                  fatal_exceptions: tuple[type[BaseException], ...] = DEFAULT_FATAL) -> None:
         if abort_timeout <= 0:
-            raise ValueError(f"HPWrapper(abort_timeout={abort_timeout}): must be positive seconds")
+            raise ApiValueError(f"HPWrapper(abort_timeout={abort_timeout}): must be positive seconds")
         self.health_check = health_check if health_check is not None else CudaHealthCheck()
         self.abort = abort if abort is not None else CheckpointlessAbortManager.get_default_checkpointless_abort()
         self.finalize = finalize if finalize is not None else CheckpointlessFinalizeCleanup()
         self.abort_timeout = abort_timeout
         self.checkpoint_manager = checkpoint_manager
-        self.hp_api_factory = hp_api_factory
         self.fatal_exceptions = tuple(fatal_exceptions)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -256,7 +157,7 @@ class HPWrapper:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             kwargs.pop("caller", None)
             if not inprocess_enabled():
-                caller = CallWrapper(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0))
+                caller = CallWrapper(E.worker_context().restart_count)
                 return fn(*args, caller=caller, **kwargs)
             return self._run(fn, args, kwargs)
         return wrapped
@@ -265,7 +166,7 @@ class HPWrapper:
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         _preload_torch_modules()
         _warn_existing_group()
-        sess = _Session.get()
+        sess = Session.get()
         gen = sess.generation
         need_go = gen > 0
         while True:
@@ -273,8 +174,8 @@ class HPWrapper:
                 gen = self._ready_and_go(sess, gen)
             need_go = True
             caller = CallWrapper(gen, sess.reason, sess)
-            if self.checkpoint_manager is not None and hasattr(self.checkpoint_manager, "_attach"):
-                self.checkpoint_manager._attach(caller, sess)
+            if self.checkpoint_manager is not None and callable(getattr(self.checkpoint_manager, "attach", None)):
+                self.checkpoint_manager.attach(caller, sess)
             sess.state = "running"
             release_parked()            # the previous generation's groups: every rank has aborted them by now
             _reset_torch_group_counter()
@@ -308,7 +209,7 @@ class HPWrapper:
                                   exit_code=exit_code, traceback=tb_text))
                 if retryable:
                     _drop_frames(exc)   # the failed frames hold the model/DDP, which hold the process group
-                sess.first_abort_s = self._abort(sess)  # type: ignore[attr-defined]
+                sess.first_abort_s = self._abort(sess)
                 if not retryable:
                     log.error("rank %d: %s is not retried; ending the job", sess.rank, type(exc).__name__)
                     if exit_code != 1:
@@ -340,7 +241,7 @@ class HPWrapper:
                 del result
             gen = self._recover(sess, target, t_fault)
 
-    def _abort(self, sess: _Session) -> float:
+    def _abort(self, sess: Session) -> float:
         """Run abort within abort_timeout; past it this process cannot recover and exits to be replaced."""
         t0 = time.monotonic()
         box: dict = {}
@@ -361,11 +262,11 @@ class HPWrapper:
             log.warning("rank %d: abort raised %r", sess.rank, box["error"])
         return time.monotonic() - t0
 
-    def _recover(self, sess: _Session, target: int, t_fault: Optional[float]) -> int:
+    def _recover(self, sess: Session, target: int, t_fault: Optional[float]) -> int:
         """abort -> finalize -> health check; returns the generation to report READY for."""
         sess.state = "recovering"
-        abort_s = self._abort(sess) + getattr(sess, "first_abort_s", 0.0)
-        sess.first_abort_s = 0.0  # type: ignore[attr-defined]
+        abort_s = self._abort(sess) + sess.first_abort_s
+        sess.first_abort_s = 0.0
         t1 = time.monotonic()
         self.finalize()
         finalize_s = time.monotonic() - t1
@@ -377,12 +278,12 @@ class HPWrapper:
                 log.error("rank %d failed its health check (%s); exiting so the agent replaces it", sess.rank, exc)
                 sys.stderr.flush()
                 os._exit(EXIT_WORKER_UNHEALTHY)
-        sess.timings = (abort_s, finalize_s, time.monotonic() - t2)  # type: ignore[attr-defined]
+        sess.timings = (abort_s, finalize_s, time.monotonic() - t2)
         return target
 
-    def _ready_and_go(self, sess: _Session, gen: int) -> int:
+    def _ready_and_go(self, sess: Session, gen: int) -> int:
         """READY(gen), then wait for GO(gen) - or a newer RESTART (report READY again) or SHUTDOWN."""
-        timings = getattr(sess, "timings", (0.0, 0.0, 0.0))
+        timings = sess.timings
         while True:
             gen = max(gen, sess.interrupter.target)
             sess.generation = gen

@@ -1,0 +1,114 @@
+"""Which committed step the ranks restore after a restart, and where each rank gets it from.
+
+Every rank lists what it holds (`Inventory`: steps in its own shared memory, on the disk fallback, and the
+copies it keeps of other ranks' slots); the lists are gathered on every rank and `plan_restore` - a pure
+function, the same on every rank - picks the newest step that every rank can get from memory (its own, a
+replica peer's, a peer copy on another node), else the newest it can get from memory or disk, and which
+transfers bring it to the ranks that do not hold it. No such step: StateLostError (exit code 75), never a
+silent restart from step 0. CheckpointManager.restore (hyperpodrun/runtime/checkpoint.py) carries it out.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, TypedDict
+
+from hyperpodrun.errors import SnapshotCorrupt, StateLostError
+from hyperpodrun.runtime import replicas
+from hyperpodrun.runtime import snapshot_io as io
+
+log = logging.getLogger("hyperpodrun.runtime")
+
+
+class Inventory(TypedDict):
+    """What one rank holds (gathered with all_gather_object: plain lists and dicts)."""
+
+    shm: list[int]                    # steps in its own shared-memory slots
+    disk: list[int]                   # steps in its disk fallback
+    latest: Optional[int]             # the newest step it saved in this process (None: none)
+    copies: dict[int, list[int]]      # source rank -> steps of that rank's slots it keeps (peer copies)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """The step to restore and how every rank gets it."""
+
+    step: int
+    #: (donor, receiver, kind) transfers; kind "replica" or "peer" (replicas.plan_transfers)
+    pairs: list[tuple[int, int, str]]
+    #: where the step comes from, for the report: "replica", "peer", "memory" or "disk"
+    source: str
+    #: steps lost: the newest step any rank saved minus the one restored
+    lost_steps: int
+
+
+def map_private(path: str) -> mmap.mmap:
+    """A private (copy-on-write) mapping of a slot or fallback file, never opened through a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+
+
+def find_snapshots(directory: str) -> dict[int, str]:
+    """step -> path of every complete, intact snapshot in `directory` (bad ones are skipped, loudly)."""
+    found: dict[int, str] = {}
+    if not os.path.isdir(directory):
+        return found
+    for name in os.listdir(directory):
+        if name.endswith(".tmp"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            step = io.verify(map_private(path), path)
+        except (SnapshotCorrupt, OSError, ValueError) as exc:
+            log.error("ignoring snapshot %s", exc)
+            continue
+        found[step] = path
+    return found
+
+
+def plan_restore(everyone: Sequence[Inventory],
+                 groups_of: Callable[[int], list[list[int]]]) -> Optional[RestorePlan]:
+    """The plan for the gathered inventories (rank r's at index r), or None when no rank holds anything (a
+    fresh start). `groups_of(world)`: the replica groups (asked only when there is something to restore).
+    Raises StateLostError naming the ranks whose state at the newest step survives nowhere."""
+    if not any(e["shm"] or e["disk"] for e in everyone):
+        return None
+    world = len(everyone)
+    groups = groups_of(world)
+    mem = [set(e["shm"]) for e in everyone]
+    on_disk = [set(e["disk"]) for e in everyone]
+    held = {h: {int(src): set(steps) for src, steps in e["copies"].items()} for h, e in enumerate(everyone)}
+
+    def in_memory(r: int, s: int) -> bool:
+        return any(s in mem[p] for p in replicas.group_of(groups, r)) or \
+            any(s in c.get(r, ()) for c in held.values())
+    steps: set[int] = set().union(*mem, *on_disk)
+    from_memory = [s for s in steps if all(in_memory(r, s) for r in range(world))]
+    anywhere = [s for s in steps if all(in_memory(r, s) or s in on_disk[r] for r in range(world))]
+    if not anywhere:
+        newest = max(steps)
+        missing = [r for r in range(world) if not (in_memory(r, newest) or newest in on_disk[r])]
+        raise StateLostError(
+            f"the state of rank(s) {missing} at step {newest} survives nowhere (no snapshot in shared memory, "
+            f"none on a replica peer, no fallback checkpoint); configure CheckpointManager(fallback_dir=...) "
+            f"or replicas (replica_groups= / num_distributed_optimizer_instances=) to survive this")
+    step = max(from_memory) if from_memory else max(anywhere)
+    pairs = replicas.plan_transfers(groups, mem, step, held)
+    source = pairs[0][2] if pairs else ("memory" if from_memory else "disk")
+    latest = max((e["latest"] for e in everyone if e["latest"] is not None), default=step)
+    return RestorePlan(step, pairs, source, max(0, latest - step))
+
+
+def gather(mine: Inventory) -> list[Inventory]:
+    """Every rank's inventory (just `mine` without a process group)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone

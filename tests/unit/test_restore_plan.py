@@ -1,0 +1,56 @@
+"""Which step the ranks restore and from where (hyperpodrun/runtime/restore_plan.py): a pure function of
+what each rank holds, the same on every rank."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+from hyperpodrun.errors import StateLostError
+from hyperpodrun.runtime.restore_plan import Inventory, plan_restore
+
+
+def inv(shm: tuple[int, ...] = (), disk: tuple[int, ...] = (), latest: Optional[int] = None,
+        copies: Optional[dict[int, list[int]]] = None) -> Inventory:
+    return {"shm": list(shm), "disk": list(disk), "latest": latest, "copies": copies or {}}
+
+
+def singletons(world: int) -> list[list[int]]:
+    return [[r] for r in range(world)]
+
+
+def test_fresh_start_asks_for_no_replica_layout() -> None:
+    def no_groups(_world: int) -> list[list[int]]:
+        raise AssertionError("groups are asked only when there is something to restore")
+    assert plan_restore([inv(), inv()], no_groups) is None
+
+
+def test_newest_step_every_rank_holds_in_memory() -> None:
+    plan = plan_restore([inv((4, 5), latest=5), inv((4, 5), latest=5)], singletons)
+    assert plan is not None and (plan.step, plan.pairs, plan.source, plan.lost_steps) == (5, [], "memory", 0)
+
+
+def test_a_rank_that_lost_its_slots_gets_them_from_a_replica() -> None:
+    plan = plan_restore([inv((7, 8), latest=8), inv(latest=None)], lambda world: [[0, 1]])
+    assert plan is not None and (plan.step, plan.pairs, plan.source) == (8, [(0, 1, "replica")], "replica")
+
+
+def test_a_peer_copy_on_another_node_counts_as_memory() -> None:
+    everyone = [inv((3,), latest=3), inv(), inv((3,), copies={1: [3]})]
+    plan = plan_restore(everyone, singletons)
+    assert plan is not None and (plan.step, plan.pairs, plan.source) == (3, [(2, 1, "peer")], "peer")
+
+
+def test_memory_beats_a_newer_step_that_needs_the_disk() -> None:
+    plan = plan_restore([inv((4,), disk=(6,), latest=6), inv((4, 6), latest=6)], singletons)
+    assert plan is not None and (plan.step, plan.source, plan.lost_steps) == (4, "memory", 2)
+
+
+def test_the_disk_fallback_when_memory_is_gone() -> None:
+    plan = plan_restore([inv(disk=(10,)), inv((10,), disk=(10,))], singletons)
+    assert plan is not None and (plan.step, plan.pairs, plan.source) == (10, [], "disk")
+
+
+def test_state_that_survives_nowhere_names_the_ranks() -> None:
+    with pytest.raises(StateLostError, match=r"rank\(s\) \[1\] at step 9 survives nowhere"):
+        plan_restore([inv((9,)), inv()], singletons)
