@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
+sys.path[:0] = [str(HERE)]   # hyperpodrun itself: installed, or from gpu_env.sh's PYTHONPATH
 
 from _common import find_launcher  # noqa: E402
 from hyperpodrun.agent.nvml_backend import load_nvml  # noqa: E402
