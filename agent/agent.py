@@ -15,7 +15,7 @@ import queue
 import signal
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -32,13 +32,14 @@ from hyperpodrun.agent.inject import Injector
 from hyperpodrun.agent.inprocess import InProcess
 from hyperpodrun.agent.node import Node
 from hyperpodrun.agent.ports import KVStore, Posted, RendezvousInfo, SystemClock
-from hyperpodrun.agent.rendezvous import RendezvousInterrupted, hostname, rendezvous
+from hyperpodrun.agent.membership import Membership
+from hyperpodrun.agent.rendezvous import JobOver, RendezvousInterrupted, hostname, rendezvous
 from hyperpodrun.agent.state import IllegalTransition
 from hyperpodrun.agent.supervisor import Reaper, Supervisor, become_subreaper
 from hyperpodrun.agent.tee import Tee
 from hyperpodrun.agent.workers import WorkerLauncher
 from hyperpodrun.config import LaunchConfig, private_log_base, temp_log_base
-from hyperpodrun.errors import EXIT_AGENT_ERROR, HyperpodrunError
+from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, FencedError, HyperpodrunError
 from hyperpodrun.runtime import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -111,6 +112,7 @@ class Agent:
         self.rdzv: Optional[RendezvousInfo] = None
         self.coord: Optional[Coordinator] = None
         self.watcher: Optional[Watcher] = None
+        self.membership: Optional[Membership] = None
         self.wstores: Optional[stores.WorkerStores] = None
         self.launcher: Optional[WorkerLauncher] = None
         self.control: Optional[ControlServer] = None
@@ -124,6 +126,10 @@ class Agent:
         """Run the job on this node and return the process exit code."""
         try:
             return self._run()
+        except FencedError as exc:   # raised by a store write of an agent that was declared lost and replaced
+            self.events.emit("fenced", f"hyperpodrun: {exc} (exit code {EXIT_FENCED})", level=logging.ERROR,
+                             exit_code=EXIT_FENCED)
+            return EXIT_FENCED
         except HyperpodrunError as exc:
             if isinstance(exc, IllegalTransition):   # a bug in hyperpodrun: the report needs where it happened
                 log.error("internal error in the node's state machine", exc_info=True)
@@ -149,6 +155,9 @@ class Agent:
         self._install_signals()
         try:
             self.rdzv = rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals))
+        except JobOver as exc:
+            log.warning("hyperpodrun: %s", exc)
+            return 0
         except RendezvousInterrupted:
             signum = self._signals[0]
             self.events.emit("signal", f"received {signal.Signals(signum).name} while waiting for the other nodes: "
@@ -162,6 +171,7 @@ class Agent:
         if rdzv.secret_warning:
             self.events.emit("insecure", rdzv.secret_warning, level=logging.WARNING)
         node = self._build(run_dir)
+        self._start_membership()
         if node.done:   # a GPU already unusable at start and no spare: exit 76 before any worker
             assert node.state.exit_code is not None
             return node.state.exit_code
@@ -192,7 +202,8 @@ class Agent:
         assert rdzv is not None and sup is not None
         self.coord = coord = Coordinator(rdzv.store, rdzv.nnodes, cfg.max_restarts,
                                          key=auth.derive(rdzv.secret, "store"), run_id=rdzv.run_id,
-                                         node_rank=rdzv.node_rank, on_forged=lambda msg: post(("forged", msg)))
+                                         node_rank=rdzv.node_rank, on_forged=lambda msg: post(("forged", msg)),
+                                         incarnation=rdzv.incarnation)
         if rdzv.store_host:
             self.wstores = stores.WorkerStores(rdzv.bind_addr)   # loopback on one node (README, Security)
         self.tee = Tee(on_problem=lambda message: post(("output_dropped", message)))
@@ -222,22 +233,35 @@ class Agent:
                       rank_offset=rdzv.rank_offset, nproc_per_node=cfg.nproc_per_node).write(run_dir)
         return node
 
-    def _start_watcher(self) -> None:
-        """Several nodes: a helper thread with its own connection turns other nodes' changes into events."""
+    def _helper_store(self) -> Callable[[], KVStore]:
+        """How a helper thread opens its own connection to the coordination store (prefixed to the run)."""
         rdzv = self.rdzv
-        assert rdzv is not None
-        if rdzv.single_node:
-            return
-        endpoint = rdzv.store_endpoint
-        assert endpoint is not None
-        prefix, timeout = K.run_prefix(rdzv.run_id), self.cfg.join_timeout
+        assert rdzv is not None and rdzv.store_endpoint is not None
+        (host, port), prefix, timeout = rdzv.store_endpoint, K.run_prefix(rdzv.run_id), self.cfg.join_timeout
 
         def open_store() -> KVStore:
-            return stores.prefixed(prefix, stores.open_tcp_store(endpoint[0], endpoint[1], server=False,
-                                                                 timeout_s=timeout))
-        assert self.coord is not None
-        self.watcher = Watcher(open_store, self.inbox.post, self.cfg.monitor_interval, view=self.coord.view)
+            return stores.prefixed(prefix, stores.open_tcp_store(host, port, server=False, timeout_s=timeout))
+        return open_store
+
+    def _start_watcher(self) -> None:
+        """Several nodes: a helper thread with its own connection turns other nodes' changes into events."""
+        assert self.rdzv is not None and self.coord is not None
+        if self.rdzv.single_node:
+            return
+        self.watcher = Watcher(self._helper_store(), self.inbox.post, self.cfg.monitor_interval, view=self.coord.view)
         self.watcher.start()
+
+    def _start_membership(self) -> None:
+        """Several nodes: renew this node's lease and watch the others' (agent/membership.py), from the moment
+        the node is built - before the pre-train script, which may take long."""
+        rdzv, coord = self.rdzv, self.coord
+        assert rdzv is not None and coord is not None
+        if rdzv.single_node:
+            return
+        self.membership = Membership(self._helper_store(), lambda store: coord.view(store).records, self.inbox.post,
+                                     node=rdzv.node_rank, nnodes=rdzv.nnodes, incarnation=rdzv.incarnation,
+                                     node_timeout=self.cfg.node_timeout)
+        self.membership.start()
 
     # ------------------------------------------------------------------------------------ plumbing
     def _install_signals(self) -> None:
@@ -323,6 +347,8 @@ class Agent:
     def _cleanup(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        if self.membership is not None:
+            self.membership.stop()
         if self.gpu is not None:
             self.gpu.stop()
         if self.sup is not None:

@@ -24,7 +24,8 @@ from typing import Callable, Optional
 from hyperpodrun import auth
 from hyperpodrun.agent import store_schema as K
 from hyperpodrun.agent.ports import KVStore, Posted, RestartGrant
-from hyperpodrun.agent.store_schema import FailureInfo, RestartBudget, RestartClaim
+from hyperpodrun.agent.store_schema import FailureInfo, NodeLoss, RestartBudget, RestartClaim
+from hyperpodrun.errors import FencedError
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -150,8 +151,9 @@ class Coordinator:
     """Main-thread view of the job-wide records (the Coordination port). `store` is already prefixed to the run."""
 
     def __init__(self, store: KVStore, nnodes: int, max_restarts: int, *, key: bytes, run_id: str, node_rank: int,
-                 on_forged: Callable[[str], None]) -> None:
+                 on_forged: Callable[[str], None], incarnation: str = "") -> None:
         self.store = store
+        self.incarnation = incarnation      # this agent's hold on its node rank (agent/membership.py)
         self.nnodes = nnodes
         self.max_restarts = max_restarts
         self.node_rank = node_rank
@@ -164,7 +166,7 @@ class Coordinator:
     def view(self, store: KVStore) -> "Coordinator":
         """The same job's records over another connection to the same store (the watcher's)."""
         other = Coordinator(store, self.nnodes, self.max_restarts, key=self._key, run_id=self._run,
-                            node_rank=self.node_rank, on_forged=lambda name: None)
+                            node_rank=self.node_rank, on_forged=lambda name: None, incarnation=self.incarnation)
         other.forgeries = self.forgeries    # each forged name is still reported once, whichever view saw it
         other.records = SignedRecords(store, self._key, self._run, self.forgeries)
         return other
@@ -172,6 +174,16 @@ class Coordinator:
     # ------------------------------------------------------------ generations and the budget
     def generation(self) -> int:
         return int(self.records.read(K.GENERATION) or 0)
+
+    def check_holder(self) -> None:
+        """FencedError once another incarnation holds this node's rank: this agent was declared lost and
+        replaced, and whatever it would write now (a restart claim, a READY mark) would disturb the job."""
+        if not self.incarnation:
+            return
+        holder = self.records.read(K.node_holder(self.node_rank))
+        if holder is not None and holder != self.incarnation:
+            raise FencedError(f"node {self.node_rank} was declared lost (no lease renewal for --node-timeout) and "
+                              "another agent has taken its place; this agent leaves without touching the job")
 
     def request_restart(self, current: int, reason: FailureInfo, count_budget: bool = True) -> RestartGrant:
         """Ask for generation current+1.
@@ -181,6 +193,7 @@ class Coordinator:
         generation by whichever agent asks first, and read by every agent that asks, so an agent that lost
         the race to claim the restart learns that the budget is spent as the winner does (and the winner's
         cause with it)."""
+        self.check_holder()
         latest = self.generation()
         if latest > current:   # someone already moved it: fold our failure into theirs
             return RestartGrant(latest, started=False, budget_ok=True, cause=reason)
@@ -232,6 +245,7 @@ class Coordinator:
 
     def mark_ready(self, generation: int, on: bool = True) -> None:
         """Every rank of this node is READY for `generation`; on=False takes it back (a rank died since)."""
+        self.check_holder()
         self.records.mark(K.inprocess_ready(generation), self.node_rank, on)
 
     def ready_count(self, generation: int) -> int:
@@ -255,6 +269,13 @@ class Coordinator:
 
     def left_count(self) -> int:
         return self.records.count(K.LEFT, self.nnodes)
+
+    # ------------------------------------------------------------ membership (agent/membership.py)
+    def declare_lost(self, loss: NodeLoss) -> NodeLoss:
+        """Record that incarnation `loss.incarnation` of node `loss.node` is lost: its rank may be taken over
+        from now on. The first declaration wins and is returned."""
+        won = self.records.claim(K.node_lost(loss.node, loss.incarnation), loss.model_dump_json())
+        return NodeLoss.model_validate_json(won) if won is not None else loss
 
 
 def _count_for(target: int) -> Callable[[Optional[str]], str]:

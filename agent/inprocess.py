@@ -14,6 +14,7 @@ import logging
 from typing import Mapping, Optional
 
 from hyperpodrun import protocol as P
+from hyperpodrun import settings
 from hyperpodrun.agent.ports import Clock, ControlSender, Coordination, Events, NodeOps, RendezvousInfo
 from hyperpodrun.agent.rankstate import (ABORTED, RankState, Round, StepGuard, first_to_kill, not_ready,
                                          progress_culprits, stuck_ranks)
@@ -21,9 +22,20 @@ from hyperpodrun.agent.state import NodeState, Phase
 from hyperpodrun.agent.store_schema import FailureInfo
 from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit, shell_code
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import EXIT_STEP_KEEPS_FAILING
+from hyperpodrun.errors import EXIT_NODE_NOT_REPLACED, EXIT_STEP_KEEPS_FAILING
 
 log = logging.getLogger("hyperpodrun.agent")
+
+
+def restart_grace(cfg: LaunchConfig) -> float:
+    """Seconds a rank may take to leave the failed generation after RESTART before it is killed (a rank in a C
+    call that never returns cannot be interrupted). HYPERPODRUN_RESTART_GRACE_S overrides the default: gloo
+    can leave a send waiting until the group's timeout when a peer dies while it sends (the waiting buffer is
+    never told), and only a grace above that timeout keeps such a rank's process."""
+    given = settings.current().restart_grace_s
+    if given is not None:
+        return given
+    return max(2 * cfg.heartbeat_interval, min(cfg.heartbeat_timeout, cfg.inprocess_timeout / 4))
 
 class InProcess:
     """The in-process restart state machine of one node."""
@@ -47,7 +59,7 @@ class InProcess:
         self.node_done_marked = -1
         self.steps = StepGuard(cfg.max_step_failures)
         self.excused: set[int] = set()   # local ranks whose SIGABRT after completion was not counted
-        self.grace = max(2 * cfg.heartbeat_interval, min(cfg.heartbeat_timeout, cfg.inprocess_timeout / 4))
+        self.grace = restart_grace(cfg)
 
     # ------------------------------------------------------------------ helpers
     def by_rank(self, rank: int) -> Optional[RankState]:
@@ -194,6 +206,31 @@ class InProcess:
         for lr in failed:
             self._respawn(lr)
 
+    def node_lost(self, node: int, incarnation: str, silent_s: float) -> Optional[int]:
+        """Node `node` is lost (its lease stopped moving): a fault of the job whose root cause it is; the round
+        waits up to --replace-timeout for a replacement. Returns the round's target (None: not acted on)."""
+        if not self.state.active or self.completing:
+            return None
+        info = FailureInfo(host=f"node {node}", node=node, cause="node lost", generation=self.state.generation,
+                           summary=f"node {node} lost: its agent renewed no lease for {silent_s:.1f}s "
+                                   f"(--node-timeout {self.cfg.node_timeout:g}s)")
+        self.fault(info, failed=())
+        r = self.round
+        if r is None:
+            return None
+        r.awaiting[node] = incarnation
+        r.deadline = max(r.deadline, self.clock.monotonic() + self.cfg.replace_timeout)
+        return r.target
+
+    def node_joined(self, node: int) -> bool:
+        """Another agent took over node `node`'s rank: the round now waits for its ranks as for respawned ones
+        (a fresh --inprocess-timeout from now: they start, import and restore)."""
+        r = self.round
+        if r is None or r.awaiting.pop(node, None) is None:
+            return False
+        r.deadline = max(r.deadline, self.clock.monotonic() + self.cfg.inprocess_timeout)
+        return True
+
     def remote_generation(self, gen: int) -> None:
         """Another node moved the generation."""
         r = self.round
@@ -264,7 +301,8 @@ class InProcess:
         proc = self.ops.workers.get(st.local_rank)
         if proc is None or not proc.alive:
             return
-        self.events.emit("kill", f"rank {st.rank} (pid {proc.pid}) {why}: killing it", rank=st.rank,
+        where = f" (main thread in {st.stack})" if st.stack else ""
+        self.events.emit("kill", f"rank {st.rank} (pid {proc.pid}) {why}: killing it{where}", rank=st.rank,
                          pid=proc.pid, level=logging.WARNING)
         st.killed = True
         self.ops.kill(st.local_rank)
@@ -351,7 +389,21 @@ class InProcess:
                 self._go(r, port, now)
                 return
         if now >= r.deadline:
-            self._escalate(r, now)
+            if r.awaiting:
+                self._not_replaced(r)
+            else:
+                self._escalate(r, now)
+
+    def _not_replaced(self, r: Round) -> None:
+        """A lost node was not replaced within --replace-timeout: the job cannot go on at its size."""
+        nodes = ", ".join(str(n) for n in sorted(r.awaiting))
+        msg = (f"node(s) {nodes} lost and not replaced within --replace-timeout {self.cfg.replace_timeout:g}s: "
+               "start the lost node's command again (or a hot spare with the c10d backend) sooner, or raise "
+               "--replace-timeout")
+        self.events.emit("not_replaced", msg, generation=r.target, level=logging.ERROR)
+        self.round = None
+        self.ops.fail_job(r.root.with_(summary=f"{msg} (the restart began with: {r.root.summary})", cause=msg,
+                                       exit_code=EXIT_NODE_NOT_REPLACED), EXIT_NODE_NOT_REPLACED)
 
     def _escalate(self, r: Round, now: float) -> None:
         missing = not_ready(self.ranks, self.ops.workers, r.target, now)
@@ -398,10 +450,11 @@ class InProcess:
         self.ops.fail_job(info.with_(summary=msg, cause=msg), EXIT_STEP_KEEPS_FAILING)
         return True
 
-    def reset_after_process_restart(self, gen: int) -> None:
-        """All local workers were respawned for `gen` (escalation): wait for their READY(gen)."""
+    def reset_after_process_restart(self, gen: int, root: Optional[FailureInfo] = None) -> None:
+        """All local workers were (re)spawned for `gen` (escalation, or this agent replaces a lost node): wait
+        for their READY(gen)."""
         now = self.clock.monotonic()
-        self.round = Round(target=gen, t_detect=now, root=FailureInfo(summary="process-level restart"),
+        self.round = Round(target=gen, t_detect=now, root=root or FailureInfo(summary="process-level restart"),
                            deadline=now + max(self.cfg.inprocess_timeout, self.cfg.join_timeout),
                            grace_at=now + 10 ** 9)
         self.state.begin_round()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from hyperpodrun import protocol as P
@@ -19,10 +20,10 @@ from hyperpodrun.agent.ports import (Clock, Coordination, Events, Launcher, Post
 from hyperpodrun.agent.report import failure_summary
 from hyperpodrun.agent.restart_policy import ProcessRestart
 from hyperpodrun.agent.state import NodeState, Phase, StopPlan
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.store_schema import FailureInfo, NodeLoss
 from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import EXIT_AGENT_ERROR
+from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, EXIT_NODE_NOT_REPLACED
 
 if TYPE_CHECKING:
     from hyperpodrun.agent.gpu_health import GpuHealth
@@ -79,8 +80,15 @@ class Node:
 
     # ------------------------------------------------------------------ events from the loop
     def start(self) -> None:
-        """Spawn the workers of the job's current generation (or wait for its store)."""
-        self.enter_generation(self.coord.generation())
+        """Spawn the workers of the job's current generation (or wait for its store). A replacement of a lost
+        node joins the generation the survivors moved to."""
+        gen = self.coord.generation()
+        loss = self.rdzv.replacing
+        if loss is not None:
+            gen = max(gen, loss.generation)
+            self.events.emit("replacing", f"this agent takes over node {loss.node} (declared lost by node "
+                             f"{loss.by_node}: {loss.why}) and joins generation {gen}", node=loss.node, generation=gen)
+        self.enter_generation(gen)
 
     def on_signal(self, signum: int) -> None:
         if self.done:
@@ -111,6 +119,53 @@ class Node:
             self.gpu.on_event(value)
         elif kind == "store_lost":
             self._on_store_lost(str(value))
+        elif kind == "node_lost":
+            self._on_node_lost(*value)
+        elif kind == "node_joined":
+            self._on_node_joined(*value)
+        elif kind == "fenced":
+            self._on_fenced(str(value))
+
+    # ------------------------------------------------------------------ membership (agent/membership.py)
+    def _on_node_lost(self, node: int, incarnation: str, silent_s: float) -> None:
+        """Another node's lease stopped moving. In-process: the survivors' round goes on without it and waits
+        for its replacement (--replace-timeout). Without an in-process round the job cannot take one: it ends."""
+        if not self.state.active or self.rdzv.single_node:
+            return
+        inproc = self.inproc
+        target = inproc.node_lost(node, incarnation, silent_s) if inproc is not None and inproc.ever_hello else None
+        if target is None:
+            if inproc is not None and inproc.completing:
+                return   # the job is complete: a node that leaves now is not lost
+            msg = (f"node {node} lost: its agent renewed no lease for {silent_s:.1f}s (--node-timeout "
+                   f"{self.cfg.node_timeout:g}s); only --inprocess-restart with wrapped workers goes on without it")
+            self.events.emit("node_lost", msg, node=node, level=logging.ERROR)
+            self.fail_job(FailureInfo(host=f"node {node}", node=node, cause="node lost", summary=msg,
+                                      exit_code=EXIT_NODE_NOT_REPLACED), EXIT_NODE_NOT_REPLACED)
+            return
+        loss = self.coord.declare_lost(NodeLoss(node=node, incarnation=incarnation, generation=target,
+                                                by_node=self.rdzv.node_rank, wall_time=self.clock.time(),
+                                                why=f"no lease renewal for {silent_s:.1f}s"))
+        when = time.strftime("%H:%M:%S", time.localtime(loss.wall_time))
+        self.events.emit("node_lost", f"node {node} declared lost at {when} (by node {loss.by_node}: {loss.why}); "
+                         f"the other nodes go on in generation {target} and wait up to --replace-timeout "
+                         f"{self.cfg.replace_timeout:g}s for its replacement", node=node, generation=target,
+                         declared_at=loss.wall_time, level=logging.WARNING)
+
+    def _on_node_joined(self, node: int, incarnation: str) -> None:
+        if self.inproc is not None and self.inproc.node_joined(node):
+            self.events.emit("node_replaced", f"node {node} taken over by a new agent (incarnation {incarnation}): "
+                             "waiting for its ranks", node=node)
+
+    def _on_fenced(self, holder: str) -> None:
+        """This agent was declared lost and another holds its node rank: stop everything, change nothing."""
+        if self.state.phase in (Phase.DONE, Phase.STOPPING):
+            return
+        self.events.emit("fenced", f"node {self.rdzv.node_rank} was declared lost (no lease renewal for "
+                         f"--node-timeout {self.cfg.node_timeout:g}s: this agent was stopped or cut off) and "
+                         f"another agent (incarnation {holder}) has taken its place; stopping this node's workers "
+                         f"and exiting with code {EXIT_FENCED}", level=logging.ERROR, exit_code=EXIT_FENCED)
+        self.begin_stop(StopPlan.exit(EXIT_FENCED), signal.SIGKILL)
 
     def _on_store_lost(self, why: str) -> None:
         """The coordination store cannot be reached (its host is gone). Every local worker may have succeeded,
@@ -280,6 +335,11 @@ class Node:
         self.state.workers_started(gen)
         if self.inproc is not None and gen > 0 and self.inproc.ever_hello:
             self.inproc.reset_after_process_restart(gen)
+        elif self.inproc is not None and gen > 0 and self.rdzv.replacing is not None:
+            loss = self.rdzv.replacing
+            self.inproc.reset_after_process_restart(gen, FailureInfo(
+                host=f"node {loss.node}", node=loss.node, cause="node lost", remote=True, secondary=True,
+                summary=f"node {loss.node} lost ({loss.why}); this agent replaces it"))
         return True
 
     # ------------------------------------------------------------------ the end

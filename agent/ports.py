@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 from hyperpodrun import netaddr, protocol as P
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.store_schema import FailureInfo, NodeLoss
 from hyperpodrun.agent.supervisor import WorkerProcess
 from hyperpodrun.config import LaunchConfig
 
@@ -115,6 +115,8 @@ class RendezvousInfo:
     bind_addr: str = netaddr.LOOPBACK       # where this agent's store servers listen (netaddr.py); "": none
     secret: bytes = b""                     # the job secret (auth.py); never handed to workers
     secret_warning: str = ""                # set when the secret was agreed through the store (one warning)
+    incarnation: str = ""                   # this agent's token as holder of its node rank (agent/membership.py)
+    replacing: Optional[NodeLoss] = None     # set when this agent took over a lost node's rank
 
 
 class Rendezvous(Protocol):
@@ -172,6 +174,8 @@ class Coordination(Protocol):
     def mark_left(self) -> None: ...
 
     def left_count(self) -> int: ...
+
+    def declare_lost(self, loss: NodeLoss) -> NodeLoss: ...
 
 
 # ------------------------------------------------------------------ workers

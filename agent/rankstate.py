@@ -78,6 +78,8 @@ class Round:
     node_ready_marked: bool = False
     ready_logged: set[int] = field(default_factory=set)
     folded: int = 0
+    #: lost nodes whose replacement the round waits for: node rank -> the lost incarnation
+    awaiting: dict[int, str] = field(default_factory=dict)
 
 
 def not_ready(ranks: Mapping[int, RankState], workers: Mapping[int, Any], target: int,

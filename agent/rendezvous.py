@@ -27,7 +27,10 @@ from typing import Callable, Optional
 from hyperpodrun import auth, netaddr
 from hyperpodrun.agent import store_schema as K
 from hyperpodrun.agent import stores
+from hyperpodrun.agent.coordination import SignedRecords
+from hyperpodrun.agent.membership import MemberRecords, lease_interval, new_incarnation
 from hyperpodrun.agent.ports import KVStore, Rendezvous, RendezvousInfo
+from hyperpodrun.agent.store_schema import NodeLoss
 from hyperpodrun.config import LaunchConfig
 from hyperpodrun.errors import HyperpodrunError, RendezvousError
 
@@ -40,6 +43,10 @@ def hostname() -> str:
 
 class RendezvousInterrupted(HyperpodrunError):
     """The agent was told to stop (a signal) while it waited for the other nodes."""
+
+
+class JobOver(HyperpodrunError):
+    """A hot spare (or late replacement) found the job already ended: nothing to take over."""
 
 
 #: rendezvous backends by name: a factory each (the Rendezvous port)
@@ -91,8 +98,10 @@ class _StoreRendezvous(abc.ABC):
         """-> (raw store, this agent serves it, the address it listens on or "", host, port)."""
 
     @abc.abstractmethod
-    def node_rank(self, store: KVStore, cfg: LaunchConfig) -> int:
-        """This node's rank in the job (0..nnodes-1), taken through the store."""
+    def node_rank(self, store: KVStore, cfg: LaunchConfig, members: MemberRecords, incarnation: str,
+                  stop_requested: Callable[[], bool]) -> tuple[int, Optional[NodeLoss]]:
+        """This node's rank in the job (0..nnodes-1), taken through the store, and held by `incarnation`; with
+        the NodeLoss it replaces when it took over a lost node's rank."""
 
     def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
         run_id = cfg.rdzv_id
@@ -100,25 +109,56 @@ class _StoreRendezvous(abc.ABC):
         store = stores.prefixed(K.run_prefix(run_id), raw)
         store.set_timeout(timedelta(seconds=cfg.join_timeout))
         secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id, f"{host}:{port}")
-        node_rank = self.node_rank(store, cfg)
-        store.set(K.rdzv_nproc(node_rank), str(cfg.nproc_per_node))
-        if store.add(K.RDZV_JOINED, 1) == cfg.nnodes:
-            store.set(K.RDZV_READY, "1")
-        log.info("node %d waiting for %d node(s) at %s:%d (up to %.0fs)", node_rank, cfg.nnodes, host, port,
-                 cfg.join_timeout)
-        deadline = time.monotonic() + cfg.join_timeout
-        while not store.check([K.RDZV_READY]):
-            if stop_requested():
-                raise RendezvousInterrupted()
-            if time.monotonic() > deadline:
-                raise RendezvousError(f"not all {cfg.nnodes} nodes joined within {cfg.join_timeout:.0f}s; start "
-                                      "the other agents or raise --rdzv-conf join_timeout=SECONDS")
-            time.sleep(0.05)
+        members = MemberRecords(SignedRecords(store, auth.derive(secret, "store"), run_id, forged=lambda name: None))
+        incarnation = new_incarnation()
+        node_rank, replacing = self.node_rank(store, cfg, members, incarnation, stop_requested)
+        if replacing is None:
+            store.set(K.rdzv_nproc(node_rank), str(cfg.nproc_per_node))
+            if store.add(K.RDZV_JOINED, 1) == cfg.nnodes:
+                store.set(K.RDZV_READY, "1")
+            log.info("node %d waiting for %d node(s) at %s:%d (up to %.0fs)", node_rank, cfg.nnodes, host, port,
+                     cfg.join_timeout)
+            deadline = time.monotonic() + cfg.join_timeout
+            while not store.check([K.RDZV_READY]):
+                if stop_requested():
+                    raise RendezvousInterrupted()
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"not all {cfg.nnodes} nodes joined within {cfg.join_timeout:.0f}s; "
+                                          "start the other agents or raise --rdzv-conf join_timeout=SECONDS")
+                time.sleep(0.05)
         counts = [int(store.get(K.rdzv_nproc(i))) for i in range(cfg.nnodes)]
+        if replacing is not None and counts[node_rank] != cfg.nproc_per_node:
+            raise RendezvousError(f"this agent replaces node {node_rank}, which ran {counts[node_rank]} worker(s); "
+                                  f"start it with --nproc-per-node {counts[node_rank]}")
         return RendezvousInfo(node_rank=node_rank, nnodes=cfg.nnodes, rank_offset=sum(counts[:node_rank]),
                               world_size=sum(counts), run_id=run_id, master_addr=host, store=store,
                               store_host=serve, store_endpoint=(host, port), single_node=False, bind_addr=bind,
-                              secret=secret, secret_warning=warning)
+                              secret=secret, secret_warning=warning, incarnation=incarnation, replacing=replacing)
+
+    @staticmethod
+    def take_vacancy(store: KVStore, cfg: LaunchConfig, members: MemberRecords, incarnation: str,
+                     stop_requested: Callable[[], bool], node: Optional[int], deadline: float
+                     ) -> tuple[int, NodeLoss]:
+        """Wait until a node rank (`node`, or any with None: a hot spare) is held by an incarnation declared
+        lost, and take it over; RendezvousError past `deadline`, JobOver once the job has ended."""
+        interval = lease_interval(cfg.node_timeout)
+        while True:
+            if stop_requested():
+                raise RendezvousInterrupted()
+            found = members.vacancy(cfg.nnodes)
+            if found is not None and (node is None or found[0] == node):
+                lost_node, lost, loss = found
+                if members.take_over(lost_node, lost, incarnation):
+                    log.info("taking over node %d of run %r (lost %s ago: %s)", lost_node, cfg.rdzv_id,
+                             f"{time.time() - loss.wall_time:.1f}s", loss.why)
+                    return lost_node, loss
+            if store.check([K.FAILED]) or store.check([K.node_mark(K.LEFT, 0)]):
+                raise JobOver(f"run {cfg.rdzv_id!r} has ended; this agent was not needed")
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"--node-rank {node} of run {cfg.rdzv_id!r} is held by a live agent (it renews "
+                                      f"its lease) and was not declared lost within {cfg.join_timeout:.0f}s; give "
+                                      "this node another --node-rank, or stop the other agent first")
+            time.sleep(interval)
 
 
 class StaticRendezvous(_StoreRendezvous):
@@ -131,12 +171,20 @@ class StaticRendezvous(_StoreRendezvous):
         return stores.open_tcp_store(host, port, server=serve, timeout_s=cfg.join_timeout, bind=bind), serve, \
             bind, host, port
 
-    def node_rank(self, store: KVStore, cfg: LaunchConfig) -> int:
+    def node_rank(self, store: KVStore, cfg: LaunchConfig, members: MemberRecords, incarnation: str,
+                  stop_requested: Callable[[], bool]) -> tuple[int, Optional[NodeLoss]]:
         node_rank = int(cfg.node_rank or 0)
-        if store.add(K.rdzv_claim(node_rank), 1) > 1:
+        if store.add(K.rdzv_claim(node_rank), 1) == 1:
+            members.take_free(node_rank, incarnation)
+            return node_rank, None
+        if not store.check([K.RDZV_READY]):
             raise RendezvousError(f"two agents joined with --node-rank {node_rank}; give each node its own rank "
                                   f"0..{cfg.nnodes - 1}")
-        return node_rank
+        # the job is running: this is the node's command started again - its replacement once it is lost
+        log.info("node %d of run %r is running: waiting to replace it once it is declared lost (no lease renewal "
+                 "for --node-timeout %gs)", node_rank, cfg.rdzv_id, cfg.node_timeout)
+        return self.take_vacancy(store, cfg, members, incarnation, stop_requested, node_rank,
+                                 time.monotonic() + cfg.join_timeout)
 
 
 class C10dRendezvous(_StoreRendezvous):
@@ -153,12 +201,17 @@ class C10dRendezvous(_StoreRendezvous):
                 pass  # another agent on this machine serves it: join as a client
         return stores.open_tcp_store(host, port, server=False, timeout_s=cfg.join_timeout), False, "", host, port
 
-    def node_rank(self, store: KVStore, cfg: LaunchConfig) -> int:
+    def node_rank(self, store: KVStore, cfg: LaunchConfig, members: MemberRecords, incarnation: str,
+                  stop_requested: Callable[[], bool]) -> tuple[int, Optional[NodeLoss]]:
         node_rank = store.add(K.RDZV_COUNTER, 1) - 1
-        if node_rank >= cfg.nnodes:
-            raise RendezvousError(f"more agents joined run {cfg.rdzv_id!r} than --nnodes {cfg.nnodes}; "
-                                  "start exactly N agents or use a new --rdzv-id")
-        return node_rank
+        if node_rank < cfg.nnodes:
+            members.take_free(node_rank, incarnation)
+            return node_rank, None
+        # beyond the job's size: a hot spare (or a lost node's command started again) - it takes the first
+        # node rank declared lost, for as long as the job runs
+        log.warning("run %r has its %d node(s): waiting as a hot spare (not counted in the world size) to take "
+                    "over a node that is lost", cfg.rdzv_id, cfg.nnodes)
+        return self.take_vacancy(store, cfg, members, incarnation, stop_requested, None, float("inf"))
 
 
 register_backend("local", LocalRendezvous)

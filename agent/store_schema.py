@@ -73,6 +73,22 @@ def root_cause(generation: int) -> str:
     return f"rootcause/{generation}"
 
 
+# ------------------------------------------------------------------ membership (signed; agent/membership.py)
+def node_holder(node_rank: int) -> str:
+    """The incarnation (a random token per agent start) that holds node rank `node_rank` now."""
+    return f"member/{node_rank}/holder"
+
+
+def node_lease(node_rank: int) -> str:
+    """A NodeLease: the holder's renewal counter; a counter that stops moving for --node-timeout is a lost node."""
+    return f"member/{node_rank}/lease"
+
+
+def node_lost(node_rank: int, incarnation: str) -> str:
+    """A NodeLoss: incarnation `incarnation` of node `node_rank` was declared lost (first claim wins)."""
+    return f"member/{node_rank}/lost/{incarnation}"
+
+
 # ------------------------------------------------------------------ the end of the job (signed)
 FAILED = "failed"                      # the FailureInfo that ended the job (first claim wins)
 LEFT = "left"                          # mark: the node has read the job's result and may go
@@ -149,3 +165,26 @@ class RestartBudget(BaseModel):
 
     used: int = 0
     counted: int = -1
+
+
+class NodeLease(BaseModel):
+    """One renewal of a node's lease: who holds the node rank and how often it has renewed."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    incarnation: str
+    count: int
+
+
+class NodeLoss(BaseModel):
+    """A node declared lost: which incarnation, by whom, why, and the generation the survivors moved to
+    (a replacement joins that generation)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    node: int
+    incarnation: str
+    generation: int
+    by_node: int
+    why: str
+    wall_time: float

@@ -127,6 +127,10 @@ OFF = "off"
 @oopt("--progress-timeout", default=None, metavar="SECONDS", show_default=OFF,
       help="A rank without progress this long is stuck.")
 @oopt("--max-step-failures", default="3", metavar="N", help="Stop when one step fails this often.")
+@oopt("--node-timeout", default="5", metavar="SECONDS",
+      help="A node whose agent is silent this long is lost (several nodes, --inprocess-restart).")
+@oopt("--replace-timeout", default="120", metavar="SECONDS",
+      help="How long the other nodes wait for a lost node's replacement (the same command started again).")
 @oopt("--health-check", default="auto", type=click.Choice(["auto", "nvml", "none"]),
       help="GPU health monitor: auto (NVML where it loads), nvml (required), none.")
 @oopt("--health-interval", default="5", metavar="SECONDS",

@@ -41,6 +41,11 @@ MIN_INTERVAL_S = 0.001
 MAX_INTERVAL_S = 3600.0
 #: --rdzv-conf join_timeout when not given
 DEFAULT_JOIN_TIMEOUT_S = 600.0
+#: --node-timeout: a node whose agent has not renewed its lease for this long is lost (agent/membership.py)
+DEFAULT_NODE_TIMEOUT_S = 5.0
+MIN_NODE_TIMEOUT_S = 0.5
+#: --replace-timeout: how long the surviving nodes wait for a lost node's replacement
+DEFAULT_REPLACE_TIMEOUT_S = 120.0
 
 #: how each LaunchConfig field is spelt on the command line, where it is not --<field-with-dashes>
 FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "rdzv_port": "--master-port/--rdzv-endpoint port",
@@ -64,6 +69,8 @@ ACCEPTS = {
     "inprocess_timeout": _WEEK,
     "heartbeat_timeout": _WEEK,
     "progress_timeout": _WEEK,
+    "node_timeout": f"a number of seconds from {MIN_NODE_TIMEOUT_S:g} to {MAX_TIMEOUT_S:.0f} (one week)",
+    "replace_timeout": _WEEK,
 }
 
 
@@ -218,6 +225,10 @@ class LaunchConfig(BaseModel):
     heartbeat_timeout: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     progress_timeout: Optional[float] = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     max_step_failures: int = Field(3, ge=1, le=MAX_COUNT)
+    # node membership (agent/membership.py): a node whose agent is silent this long is lost; a lost node's
+    # replacement (the same command started again) is awaited this long
+    node_timeout: float = Field(DEFAULT_NODE_TIMEOUT_S, ge=MIN_NODE_TIMEOUT_S, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    replace_timeout: float = Field(DEFAULT_REPLACE_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
 
     # GPU health (agent/gpu_health.py): NVML monitor where it loads (auto), required (nvml), or off (none)
     health_check: Literal["auto", "nvml", "none"] = "auto"

@@ -32,6 +32,10 @@ EXIT_STEP_KEEPS_FAILING = 77
 EXIT_WORKER_UNHEALTHY = 74
 #: the restart budget (--max-restarts) is exhausted (used when no worker exit code applies)
 EXIT_RESTARTS_EXHAUSTED = 78
+#: a node was lost and no replacement joined within --replace-timeout
+EXIT_NODE_NOT_REPLACED = 79
+#: this agent was declared lost (silent past --node-timeout) and its node rank given to another agent
+EXIT_FENCED = 80
 
 
 class HyperpodrunError(Exception):
@@ -48,6 +52,11 @@ class ConfigError(HyperpodrunError):
 
 class RendezvousError(HyperpodrunError):
     """The agents could not meet (store unreachable, timeout, size mismatch)."""
+
+
+class FencedError(HyperpodrunError):
+    """This agent was declared lost (its lease was not renewed for --node-timeout) and another agent holds
+    its node rank now: it must not change the job any more (exit code EXIT_FENCED)."""
 
 
 class WorkerSpawnError(HyperpodrunError):

@@ -57,6 +57,11 @@ class Settings(BaseModel):
     #: HYPERPODRUN_EXIT_GRACE_S: how long a worker exit that looks like a symptom of another rank's failure
     #: waits for that failure's own exit (process-level restarts); ends early once the real one is seen
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S
+    #: HYPERPODRUN_RESTART_GRACE_S: how long a rank may take to leave the failed generation after RESTART before
+    #: the agent kills and replaces it (None: max(2 x --heartbeat-interval, min(--heartbeat-timeout,
+    #: --inprocess-timeout / 4))). Raise it above the process group's timeout where gloo collectives must
+    #: always be left in-process (docs/ARCHITECTURE.md, "Restart protocol")
+    restart_grace_s: Optional[float] = None
     #: HYPERPODRUN_LOG_DIR: the base directory of the run logs when --log-dir is not given
     log_dir: Optional[str] = None
     #: HYPERPODRUN_SHM_DIR: the tmpfs under which CheckpointManager keeps its snapshots
@@ -93,6 +98,13 @@ def _grace(name: str, raw: str) -> float:
     return value
 
 
+def _positive_grace(name: str, raw: str) -> float:
+    value = _grace(name, raw)
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds in 0..{MAX_SYMPTOM_GRACE_S:g} (above 0)")
+    return value
+
+
 def _modules(name: str, raw: str) -> tuple[str, ...]:
     mods = tuple(m.strip() for m in raw.split(",") if m.strip())
     for mod in mods:
@@ -126,6 +138,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any], bool]] = {
     "warm_imports": ("WARM_IMPORTS", _modules, True),   # "" is valid: import nothing ahead
     "symptom_grace_s": ("SYMPTOM_GRACE_S", _grace, False),
     "exit_grace_s": ("EXIT_GRACE_S", _grace, False),
+    "restart_grace_s": ("RESTART_GRACE_S", _positive_grace, False),
     "log_dir": ("LOG_DIR", _path, False),
     "shm_dir": ("SHM_DIR", _path, False),
     "job_secret": ("JOB_SECRET", _secret, False),

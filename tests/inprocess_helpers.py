@@ -17,6 +17,13 @@ TRAIN = script("inproc_train.py")
 FAST = ["--inprocess-restart", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3",
         "--inprocess-timeout", "20"]
 
+#: HYPERPODRUN_RESTART_GRACE_S of every Job unless a test gives its own: above inproc_train.py's --pg-timeout
+#: (10 s). When a peer is killed while a rank's gloo thread sends to it, gloo can leave that send waiting until the
+#: group's timeout (the waiting buffer is never told the connection is gone); the rank then leaves the collective
+#: at the timeout and recovers in-process - with the default grace (3 s under FAST) it would be killed first and
+#: the tests that check which ranks keep their processes would see it replaced.
+RESTART_GRACE_S = "12"
+
 #: seconds a whole job may take before the test fails (and kills it)
 JOB_TIMEOUT = 90
 
@@ -85,6 +92,7 @@ class Job:
         self.out = Path(out)
         self.log_dir = Path(log_dir) if log_dir is not None else launcher.log_dir
         args = ["--nproc-per-node", str(nproc), *hpr_args, train, "--out", str(out), *train_args]
+        env = {"HYPERPODRUN_RESTART_GRACE_S": RESTART_GRACE_S, **(env or {})}
         self.proc: Proc = launcher.start(args, log_dir=self.log_dir, env=env)
 
     # -------------------------------------------------------------------------------- waiting

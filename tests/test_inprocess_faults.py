@@ -16,9 +16,7 @@ from inprocess_helpers import FAST, Job, assert_only_replaced, entries, events_n
 def test_sigkill_of_one_rank_replaces_only_that_rank(launcher, out_dir, victim):
     """SIGKILL of one rank mid-training (rank 0 included): the other ranks keep their PIDs, only the killed
     rank is a new process, every rank finishes generation 1, exit code 0."""
-    # a longer grace than FAST's 3 s before a survivor that has not left the failed step is killed: this test is
-    # about which ranks are replaced, and on a loaded 2-core machine a survivor was once seen taking > 3 s
-    job = Job(launcher, out_dir, [*FAST, "--heartbeat-timeout", "6"])
+    job = Job(launcher, out_dir, FAST)
     started = job.wait_step(range(4), step=20)
     os.kill(started[victim], signal.SIGKILL)
     res = job.result()

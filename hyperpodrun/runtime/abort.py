@@ -142,10 +142,18 @@ def mark_generation_start() -> None:
 
 
 def shutdown_generation_sockets() -> int:
-    """shutdown() the connected TCP sockets opened during the failed generation's call (gloo's pairs, the
-    generation's store client): every peer still inside a collective with us fails at once. Listening
-    sockets are left alone (gloo aborts the process when its accept() fails), and so is every socket that
-    existed before the wrapped function started, and every non-TCP socket (the control plane's)."""
+    """Half-close (shutdown(SHUT_WR)) the connected TCP sockets opened during the failed generation's call
+    (gloo's pairs, the generation's store client): every peer still inside a collective with us reads
+    end-of-stream and fails at once. Listening sockets are left alone (gloo aborts the process when its
+    accept() fails), and so is every socket that existed before the wrapped function started, and every
+    non-TCP socket (the control plane's).
+
+    Only the write side: after SHUT_RDWR the kernel answers a peer's next write with a reset, and a gloo
+    peer whose device thread is just then sending a payload for a receive we had posted gets EPIPE in a
+    path that never fails the waiting send - its collective then hangs until the group's timeout instead of
+    failing (seen with 4 ranks in a ring all-reduce). With SHUT_WR the peer's writes still succeed and its
+    read of end-of-stream fails every operation pending on the pair. The sockets close for good when the
+    parked group is destructed."""
     import socket
     n = 0
     for fd, inode in _inet_sockets().items():
@@ -161,7 +169,7 @@ def shutdown_generation_sockets() -> int:
                     sock.getpeername()
                 except OSError:
                     continue   # listening or unconnected
-                sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_WR)
                 n += 1
         except OSError:
             pass

@@ -21,6 +21,7 @@ MODE = os.environ.get("MODE", "allreduce")
 STEPS = int(os.environ.get("STEPS", "12"))
 OUT_DIR = os.environ["OUT_DIR"]
 DIM = int(os.environ.get("DIM", "256"))
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
 REPLICAS = os.environ.get("REPLICAS")   # e.g. "0,2/1,3": explicit replica groups
 cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
@@ -123,6 +124,10 @@ def main(caller=None):
         maybe_fault("prestep", step, rank, caller.iteration)
         opt.step()
         cm.save(step + 1, state)
+        if STEP_SLEEP:   # a slower job, so that a test can act while it trains (PROGRESS names the last step)
+            time.sleep(STEP_SLEEP)
+            with open(os.path.join(OUT_DIR, f"progress.rank{rank}"), "w") as fh:
+                fh.write(f"{step + 1} {caller.iteration} {os.getpid()}\n")
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in net.state_dict().items()}
     if MODE == "zero":

@@ -226,3 +226,32 @@ def test_a_done_rank_that_cannot_take_shutdown_is_killed_without_failing_the_job
     h.exit(0, 0)
     h.settle()
     assert h.phase is Phase.DONE and h.state.exit_code == 0 and not h.sink.named("fault")
+
+
+def _stuck_after_restart(h: Harness, grace: float) -> None:
+    """Rank 1 raised; rank 0 keeps heart-beating in generation 0 but never leaves its collective."""
+    h.fault(1, generation=0)
+    h.ready(1, 1)
+    for _ in range(int(grace) - 1):
+        h.clock.advance(1)
+        h.beat(0, 0, step=3, seq=9)
+        h.beat(1, 1, step=3, seq=9, state="waiting")
+        h.tick()
+    assert not h.procs.signals, "killed before the grace was over"
+    h.clock.advance(1.5)
+    h.beat(0, 0, step=3, seq=9)
+    h.beat(1, 1, step=3, seq=9, state="waiting")
+    h.tick()
+    assert (0, signal.SIGKILL) in h.procs.signals
+    assert f"did not respond to RESTART within {grace:g}s" in h.sink.named("kill")[0]["msg"]
+
+
+def test_a_rank_that_does_not_leave_the_failed_step_is_killed_after_the_grace():
+    """Default grace: min(--heartbeat-timeout, --inprocess-timeout / 4) = 10 s here."""
+    _stuck_after_restart(running(), 10)
+
+
+def test_the_restart_grace_setting_overrides_the_default(monkeypatch):
+    """HYPERPODRUN_RESTART_GRACE_S: a longer wait (above a gloo group's timeout, say) before the kill."""
+    monkeypatch.setenv("HYPERPODRUN_RESTART_GRACE_S", "25")
+    _stuck_after_restart(running(), 25)

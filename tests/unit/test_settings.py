@@ -30,10 +30,11 @@ def test_every_setting_parses() -> None:
     s = settings.load({"HYPERPODRUN_LOG_LEVEL": "warning", "HYPERPODRUN_WARM_RESPAWN": "no",
                        "HYPERPODRUN_WARM_IMPORTS": "", "HYPERPODRUN_SYMPTOM_GRACE_S": "0.5",
                        "HYPERPODRUN_EXIT_GRACE_S": "3", "HYPERPODRUN_LOG_DIR": "/tmp/logs",
-                       "HYPERPODRUN_SHM_DIR": "/mnt/tmpfs", "HYPERPODRUN_JOB_SECRET": f"  {SECRET}\n"})
+                       "HYPERPODRUN_SHM_DIR": "/mnt/tmpfs", "HYPERPODRUN_JOB_SECRET": f"  {SECRET}\n",
+                       "HYPERPODRUN_RESTART_GRACE_S": "12"})
     assert (s.log_level, s.warm_respawn, s.warm_imports, s.symptom_grace_s, s.exit_grace_s) == \
         (logging.WARNING, False, (), 0.5, 3.0)
-    assert (s.log_dir, s.shm_dir) == ("/tmp/logs", "/mnt/tmpfs")
+    assert (s.log_dir, s.shm_dir, s.restart_grace_s) == ("/tmp/logs", "/mnt/tmpfs", 12.0)
     assert s.job_secret is not None and s.job_secret.get_secret_value() == SECRET.encode(), "stripped"
     assert SECRET not in repr(s) and SECRET not in str(s), "the secret never shows in a repr"
     assert settings.load({}) == settings.Settings() and settings.Settings().shm_dir == "/dev/shm"
@@ -45,6 +46,7 @@ def test_every_setting_parses() -> None:
     ("HYPERPODRUN_WARM_IMPORTS", "torch,9lives", "'9lives' is not a module name"),
     ("HYPERPODRUN_SYMPTOM_GRACE_S", "soon", "is not a number of seconds in 0..60"),
     ("HYPERPODRUN_EXIT_GRACE_S", "inf", "is not a number of seconds in 0..60"),
+    ("HYPERPODRUN_RESTART_GRACE_S", "0", "is not a number of seconds in 0..60 (above 0)"),
     ("HYPERPODRUN_JOB_SECRET", "short", "the job secret has 5 bytes; give at least 16"),
 ])
 def test_a_bad_value_names_the_variable(name: str, value: str, needle: str) -> None:
