@@ -107,7 +107,10 @@ def main(caller=None):
     state = {"model": net, "opt": opt}
     start = cm.restore(state) or 0
     with open(os.path.join(OUT_DIR, f"entries.rank{rank}"), "a") as fh:
-        fh.write(f"{caller.iteration} {start} {os.getpid()}\n")
+        # the process: its pid and start time (the node-loss tests run each node in its own pid namespace, where
+        # a replacement's workers may get the pids the lost node's had)
+        started = open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]
+        fh.write(f"{caller.iteration} {start} {os.getpid()}@{started}\n")
     for step in range(start, STEPS):
         current["step"], current["gen"] = step, caller.iteration
         caller.progress(step)

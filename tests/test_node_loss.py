@@ -1,0 +1,208 @@
+"""Node loss (CPU, gloo, --inprocess-restart with CheckpointManager, 2 nodes x 2 ranks): a node dies whole -
+agent, workers and its /dev/shm - the other node's ranks keep their processes, the lost node's ranks come
+back in new processes on a replacement (the same command started again, or a c10d hot spare) and get their
+state from the surviving node's peer copies; the job ends with parameters bitwise equal to a fault-free run.
+A replaced agent that comes back is fenced. Each node runs in its own pid and mount namespaces (tests/nodes.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from conftest import SCRIPTS, free_port, wait_until
+from nodes import Node, unavailable
+from hyperpodrun.errors import EXIT_FENCED
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+WORKER = str(SCRIPTS / "ckpt_worker.py")
+STEPS = 60
+KILL_AT = 20
+FAST = ["--nproc-per-node", "2", "--inprocess-restart", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3",
+        "--inprocess-timeout", "30", "--node-timeout", "3", "--replace-timeout", "60"]
+
+
+class Cluster:
+    """Nodes of one job; `out` holds what the workers write (rank<r>.pt, entries.rank<r>, progress.rank<r>)."""
+
+    def __init__(self, launcher, tmp: Path, name: str, backend: str = "static") -> None:
+        self.launcher = launcher
+        self.tmp = tmp
+        self.name = name
+        self.backend = backend
+        self.port = free_port()
+        self.out = tmp / f"out-{name}"
+        self.out.mkdir()
+        self.nodes: list[Node] = []
+        self.env = {"OUT_DIR": str(self.out), "MODE": "allreduce", "STEPS": str(STEPS), "DIM": "64",
+                    "STEP_SLEEP": "0.1"}
+
+    def start(self, node_rank: int, label: Optional[str] = None) -> Node:
+        if self.backend == "static":
+            where = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+                     "--master-port", str(self.port)]
+        else:
+            where = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
+        node = Node(self.launcher, [*where, *FAST, "--rdzv-id", self.name, WORKER],
+                    self.tmp / f"logs-{self.name}-{label or len(self.nodes)}", env=self.env)
+        self.nodes.append(node)
+        return node
+
+    def step(self, rank: int) -> int:
+        try:
+            return int((self.out / f"progress.rank{rank}").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return -1
+
+    def wait_step(self, step: int, ranks=range(4), timeout: float = 90) -> None:
+        def reached() -> bool:
+            if not all(n.alive() for n in self.nodes):
+                raise AssertionError("a node ended early\n" + self.describe())
+            return all(self.step(r) >= step for r in ranks)
+        wait_until(reached, timeout, message=f"every rank at step {step}")
+
+    def entries(self, rank: int) -> list[tuple[int, int, str]]:
+        """(iteration, start step, process: pid@start time) per entry of the training function."""
+        text = (self.out / f"entries.rank{rank}").read_text()
+        return [(int(it), int(start), proc) for it, start, proc in (line.split() for line in text.splitlines())]
+
+    def describe(self) -> str:
+        return "\n".join(n.describe() for n in self.nodes)
+
+
+def assert_same_state(ref: Path, got: Path) -> None:
+    for rank in range(4):
+        a = torch.load(ref / f"rank{rank}.pt")
+        b = torch.load(got / f"rank{rank}.pt")
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), f"rank {rank}: parameter {k} differs"
+        for pid, st in a["opt"].items():
+            for n, v in st.items():
+                if torch.is_tensor(v):
+                    assert torch.equal(v, b["opt"][pid][n]), f"rank {rank}: optimizer state {pid}.{n} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The fault-free run of the same 2-node job."""
+    from conftest import Launcher
+    tmp = tmp_path_factory.mktemp("node-loss-ref")
+    launcher = Launcher(tmp)
+    try:
+        job = Cluster(launcher, tmp, "ref")
+        nodes = [job.start(0), job.start(1)]
+        codes = [n.wait(180) for n in nodes]
+        assert codes == [0, 0], job.describe()
+        return job.out
+    finally:
+        launcher.cleanup()
+
+
+def assert_survivors_kept_processes(job: Cluster, lost_ranks=(2, 3)) -> None:
+    for rank in range(4):
+        entries = job.entries(rank)
+        assert [e[0] for e in entries] == [0, 1], f"rank {rank}: {entries}\n{job.describe()}"
+        pids = {e[2] for e in entries}
+        if rank in lost_ranks:
+            assert len(pids) == 2, f"rank {rank} should run in a new process: {entries}"
+            assert entries[1][1] >= KILL_AT, f"rank {rank} restored an older step: {entries}"
+        else:
+            assert len(pids) == 1, f"rank {rank} should have kept its process: {entries}"
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_node_killed_whole_and_started_again(launcher, tmp_path, reference, backend):
+    """Node 1 is killed whole mid-training and its command started again 1 s later: both agents exit 0, node
+    0's ranks keep their processes, ranks 2 and 3 run in new processes from the committed step (from node
+    0's peer copies: node 1's /dev/shm went with it), and the result is bitwise equal to the fault-free run."""
+    job = Cluster(launcher, tmp_path, f"kill-{backend}", backend)
+    node0 = job.start(0)
+    if backend == "c10d":   # node ranks go in join order: node 0 first
+        wait_until(lambda: "node 0 waiting" in node0.proc.err(), 60, message="node 0 joined")
+    node1 = job.start(1)
+    job.wait_step(KILL_AT)
+    node1.kill()
+    assert node1.wait(30) != 0
+    replacement = job.start(1, label="replacement")
+    codes = [node0.wait(180), replacement.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    assert_survivors_kept_processes(job)
+    lost = node0.events("node_lost")
+    assert lost and lost[0]["node"] == 1 and "declared lost" in lost[0]["msg"], info
+    go = node0.events("go")
+    assert [e["generation"] for e in go] == [1] and "node 1 lost" in go[0]["root_cause"], info
+    assert replacement.events("replacing"), info
+    restored = node0.events("state_restored") + replacement.events("state_restored")
+    assert restored and all(e["lost_steps"] == 0 for e in restored), info
+    assert_same_state(reference, job.out)
+
+
+def test_hot_spare_takes_over_a_lost_node(launcher, tmp_path, reference):
+    """c10d, three agents for a two-node job: the third waits as a hot spare (not in the world size); node 1
+    is killed whole and the spare takes its ranks - nothing is started again; bitwise equal."""
+    job = Cluster(launcher, tmp_path, "spare", "c10d")
+    first = job.start(0)
+    wait_until(lambda: "node 0 waiting" in first.proc.err(), 60, message="node 0 joined")
+    second = job.start(1)
+    first.wait_event("agent_start")
+    second.wait_event("agent_start")
+    spare = job.start(2, label="spare")
+    wait_until(lambda: "hot spare" in spare.proc.err(), 60, message="the spare says it waits")
+    job.wait_step(KILL_AT)
+    second.kill()
+    codes = [first.wait(180), spare.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    assert spare.events("replacing"), info
+    assert "ranks 2..3 of 4" in spare.wait_event("agent_start")["msg"], "the spare took node 1's ranks\n" + info
+    assert_survivors_kept_processes(job)
+    assert_same_state(reference, job.out)
+
+
+def test_replacement_killed_before_its_ranks_joined(launcher, tmp_path, reference):
+    """Node 1 is killed; its first replacement takes over the node rank and is killed too before its ranks
+    joined; a second replacement finishes the job; bitwise equal."""
+    job = Cluster(launcher, tmp_path, "second")
+    node0 = job.start(0)
+    node1 = job.start(1)
+    job.wait_step(KILL_AT)
+    node1.kill()
+    first = job.start(1, label="replacement1")
+    first.wait_event("replacing")
+    first.kill()
+    wait_until(lambda: len(node0.events("node_lost")) >= 2, 60, message="the first replacement declared lost")
+    second = job.start(1, label="replacement2")
+    codes = [node0.wait(180), second.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    assert [e["generation"] for e in node0.events("go")] == [1], info
+    assert_survivors_kept_processes(job)
+    assert_same_state(reference, job.out)
+
+
+def test_a_replaced_agent_that_comes_back_is_fenced(launcher, tmp_path, reference):
+    """Node 1's agent is SIGSTOPped until it is declared lost and replaced, then SIGCONTed: it does not
+    disturb the job (one generation, bitwise equal) and leaves with one clear line and exit code 80."""
+    job = Cluster(launcher, tmp_path, "fence")
+    node0 = job.start(0)
+    node1 = job.start(1)
+    job.wait_step(KILL_AT)
+    node1.signal_agent(signal.SIGSTOP)
+    replacement = job.start(1, label="replacement")
+    replacement.wait_event("replacing", timeout=60)
+    node1.signal_agent(signal.SIGCONT)
+    assert node1.wait(60) == EXIT_FENCED, job.describe()
+    codes = [node0.wait(180), replacement.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    assert "declared lost" in node1.proc.err() and "another agent" in node1.proc.err(), info
+    assert [e["generation"] for e in node0.events("go")] == [1], info
+    for rank in (0, 1):
+        assert len({e[2] for e in job.entries(rank)}) == 1, info
+    assert_same_state(reference, job.out)
