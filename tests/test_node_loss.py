@@ -206,3 +206,22 @@ def test_a_replaced_agent_that_comes_back_is_fenced(launcher, tmp_path, referenc
     for rank in (0, 1):
         assert len({e[2] for e in job.entries(rank)}) == 1, info
     assert_same_state(reference, job.out)
+
+
+def test_node_killed_during_a_recovery_round(launcher, tmp_path, reference):
+    """Rank 2 (node 1) raises at step 20; while that in-process round runs, node 1 is killed whole: the loss
+    is folded into the same round (one generation), its replacement joins it; bitwise equal."""
+    job = Cluster(launcher, tmp_path, "during")
+    job.env["FAULTS"] = f"raise:2:{KILL_AT}:top"
+    node0 = job.start(0)
+    node1 = job.start(1)
+    node1.wait_event("restart_signal", timeout=90)
+    node1.kill()
+    replacement = job.start(1, label="replacement")
+    codes = [node0.wait(180), replacement.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    assert [e["generation"] for e in node0.events("go")] == [1], info
+    assert node0.events("node_lost") and replacement.events("replacing"), info
+    assert_survivors_kept_processes(job)
+    assert_same_state(reference, job.out)
