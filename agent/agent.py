@@ -260,7 +260,7 @@ class Agent:
             return
         self.membership = Membership(self._helper_store(), lambda store: coord.view(store).records, self.inbox.post,
                                      node=rdzv.node_rank, nnodes=rdzv.nnodes, incarnation=rdzv.incarnation,
-                                     node_timeout=self.cfg.node_timeout)
+                                     node_timeout=self.cfg.node_timeout, watch_all=rdzv.store_host)
         self.membership.start()
 
     # ------------------------------------------------------------------------------------ plumbing

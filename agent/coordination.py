@@ -16,6 +16,7 @@ through signed per-node marks. What a store writer can still do is listed in the
 """
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -275,7 +276,15 @@ class Coordinator:
         """Record that incarnation `loss.incarnation` of node `loss.node` is lost: its rank may be taken over
         from now on. The first declaration wins and is returned."""
         won = self.records.claim(K.node_lost(loss.node, loss.incarnation), loss.model_dump_json())
-        return NodeLoss.model_validate_json(won) if won is not None else loss
+        loss = NodeLoss.model_validate_json(won) if won is not None else loss
+
+        def listed(current: Optional[str]) -> str:
+            losses = json.loads(current) if current else []
+            if not any(x.get("node") == loss.node and x.get("incarnation") == loss.incarnation for x in losses):
+                losses.append(loss.model_dump())
+            return json.dumps(losses)
+        self.records.update(K.NODE_LOSSES, listed)   # what the agents that do not watch every lease read
+        return loss
 
 
 def _count_for(target: int) -> Callable[[Optional[str]], str]:

@@ -206,14 +206,13 @@ class InProcess:
         for lr in failed:
             self._respawn(lr)
 
-    def node_lost(self, node: int, incarnation: str, silent_s: float) -> Optional[int]:
+    def node_lost(self, node: int, incarnation: str, why: str) -> Optional[int]:
         """Node `node` is lost (its lease stopped moving): a fault of the job whose root cause it is; the round
         waits up to --replace-timeout for a replacement. Returns the round's target (None: not acted on)."""
         if not self.state.active or self.completing:
             return None
         info = FailureInfo(host=f"node {node}", node=node, cause="node lost", generation=self.state.generation,
-                           summary=f"node {node} lost: its agent renewed no lease for {silent_s:.1f}s "
-                                   f"(--node-timeout {self.cfg.node_timeout:g}s)")
+                           summary=f"node {node} lost: {why} (--node-timeout {self.cfg.node_timeout:g}s)")
         self.fault(info, failed=())
         r = self.round
         if r is None:

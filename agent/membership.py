@@ -18,6 +18,7 @@ with the job's key, as every record that changes the job's fate (agent/coordinat
 """
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -30,6 +31,10 @@ from hyperpodrun.agent.ports import KVStore, Posted
 from hyperpodrun.agent.store_schema import NodeLease, NodeLoss
 
 log = logging.getLogger("hyperpodrun.agent")
+
+
+#: a holder that never renewed its lease is lost after this many --node-timeout (it may be slow to start)
+NEVER_RENEWED_FACTOR = 3
 
 
 def new_incarnation() -> str:
@@ -82,6 +87,11 @@ class MemberRecords:
         value = self.records.read(K.node_lost(node, incarnation))
         return NodeLoss.model_validate_json(value) if value is not None else None
 
+    def losses(self) -> list[NodeLoss]:
+        """Every node loss declared so far (one record, whatever the job's size)."""
+        value = self.records.read(K.NODE_LOSSES)
+        return [NodeLoss.model_validate(x) for x in json.loads(value)] if value else []
+
     def vacancy(self, nnodes: int) -> Optional[tuple[int, str, NodeLoss]]:
         """A node rank whose holder was declared lost and not yet replaced: (node, lost incarnation, loss)."""
         for node in range(nnodes):
@@ -94,16 +104,20 @@ class MemberRecords:
 
 
 class Membership(threading.Thread):
-    """Renews this node's lease and watches the others' over its own store connection; posts to the loop:
+    """Renews this node's lease and learns of lost and replaced nodes, over its own store connection; posts:
 
-    ("node_lost", (node, incarnation, silent_s))  a node's lease stopped moving for --node-timeout
-    ("node_joined", (node, incarnation))         another incarnation now holds a node rank (a replacement)
-    ("fenced", incarnation)                      this node's rank is held by another incarnation: leave
+    ("node_lost", (node, incarnation, why))  a node was lost (its lease stopped moving for --node-timeout)
+    ("node_joined", (node, incarnation))     another incarnation now holds a lost node's rank (a replacement)
+    ("fenced", incarnation)                  this node's rank is held by another incarnation: leave
+
+    Only the agent that hosts the coordination store (`watch_all`) reads every lease - locally, as its store
+    is in-process - and declares the losses (agent/node.py); every other agent reads one record, the list of
+    declared losses, so the store's load per renewal interval grows with the number of nodes, not its square.
     """
 
     def __init__(self, open_store: Callable[[], KVStore], records: Callable[[KVStore], SignedRecords],
                  post: Callable[[Posted], None], *, node: int, nnodes: int, incarnation: str,
-                 node_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 node_timeout: float, watch_all: bool, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(name="hyperpodrun-membership", daemon=True)
         self._open_store = open_store
         self._records = records
@@ -112,6 +126,7 @@ class Membership(threading.Thread):
         self.nnodes = nnodes
         self.incarnation = incarnation
         self.timeout = node_timeout
+        self.watch_all = watch_all
         self.interval = lease_interval(node_timeout)
         self._clock = clock
         self._stop = threading.Event()
@@ -125,7 +140,8 @@ class Membership(threading.Thread):
         except Exception as exc:  # the loop learns of a lost store from the watcher
             log.debug("membership: no store connection (%s)", exc)
             return
-        watch = LeaseWatch(self.node, self.nnodes, self.timeout)
+        watch = LeaseWatch(self.node, self.nnodes, self.timeout) if self.watch_all else None
+        told = LossNews(self.node)
         count = 0
         while not self._stop.is_set():
             try:
@@ -135,13 +151,43 @@ class Membership(threading.Thread):
                     return                      # and renew nothing: the rank is someone else's now
                 count += 1
                 members.renew(self.node, self.incarnation, count)
-                for event in watch.observe(self._clock(), {n: (members.holder(n), members.lease(n))
-                                                           for n in range(self.nnodes) if n != self.node}):
+                if watch is not None:
+                    events = watch.observe(self._clock(), {n: (members.holder(n), members.lease(n))
+                                                           for n in range(self.nnodes) if n != self.node})
+                else:
+                    events = told.observe(members.losses(), members.holder)
+                for event in events:
                     self._post(event)
             except Exception as exc:  # the store host is gone: the watcher reports it; stop renewing
                 log.debug("membership: store unreachable (%s)", exc)
                 return
             self._stop.wait(self.interval)
+
+
+class LossNews:
+    """The pure part of following the declared losses (agents that do not watch every lease): each loss is
+    told once, and so is its replacement, once another incarnation holds the node rank."""
+
+    def __init__(self, me: int) -> None:
+        self.me = me
+        self._told: set[tuple[int, str]] = set()
+        self._replaced: set[tuple[int, str]] = set()
+
+    def observe(self, losses: list[NodeLoss], holder: Callable[[int], Optional[str]]) -> list[Posted]:
+        events: list[Posted] = []
+        for loss in losses:
+            key = (loss.node, loss.incarnation)
+            if loss.node == self.me:
+                continue
+            if key not in self._told:
+                self._told.add(key)
+                events.append(("node_lost", (loss.node, loss.incarnation, loss.why)))
+            if key not in self._replaced:
+                now = holder(loss.node)
+                if now is not None and now != loss.incarnation:
+                    self._replaced.add(key)
+                    events.append(("node_joined", (loss.node, now)))
+        return events
 
 
 class LeaseWatch:
@@ -173,10 +219,11 @@ class LeaseWatch:
                 self._seen[node] = (holder, key, now)
                 continue
             silent = now - since
-            # only a lease that was renewed at least once can stop: an agent still in its pre-train script, or
-            # not yet past its rendezvous, has not started renewing
-            if holder is not None and key is not None and key[0] == holder and silent >= self.timeout \
-                    and (node, holder) not in self._reported:
+            # a holder that has not renewed even once (it died right after its rendezvous or take-over, or is
+            # slow to start renewing) is given NEVER_RENEWED_FACTOR times the timeout
+            renewed = key is not None and key[0] == holder
+            limit = self.timeout if renewed else NEVER_RENEWED_FACTOR * self.timeout
+            if holder is not None and silent >= limit and (node, holder) not in self._reported:
                 self._reported.add((node, holder))
-                events.append(("node_lost", (node, holder, silent)))
+                events.append(("node_lost", (node, holder, f"no lease renewal for {silent:.1f}s")))
         return events

@@ -127,25 +127,25 @@ class Node:
             self._on_fenced(str(value))
 
     # ------------------------------------------------------------------ membership (agent/membership.py)
-    def _on_node_lost(self, node: int, incarnation: str, silent_s: float) -> None:
+    def _on_node_lost(self, node: int, incarnation: str, why: str) -> None:
         """Another node's lease stopped moving. In-process: the survivors' round goes on without it and waits
         for its replacement (--replace-timeout). Without an in-process round the job cannot take one: it ends."""
         if not self.state.active or self.rdzv.single_node:
             return
         inproc = self.inproc
-        target = inproc.node_lost(node, incarnation, silent_s) if inproc is not None and inproc.ever_hello else None
+        target = inproc.node_lost(node, incarnation, why) if inproc is not None and inproc.ever_hello else None
         if target is None:
             if inproc is not None and inproc.completing:
                 return   # the job is complete: a node that leaves now is not lost
-            msg = (f"node {node} lost: its agent renewed no lease for {silent_s:.1f}s (--node-timeout "
-                   f"{self.cfg.node_timeout:g}s); only --inprocess-restart with wrapped workers goes on without it")
+            msg = (f"node {node} lost: {why} (--node-timeout {self.cfg.node_timeout:g}s); only "
+                   "--inprocess-restart with wrapped workers goes on without it")
             self.events.emit("node_lost", msg, node=node, level=logging.ERROR)
             self.fail_job(FailureInfo(host=f"node {node}", node=node, cause="node lost", summary=msg,
                                       exit_code=EXIT_NODE_NOT_REPLACED), EXIT_NODE_NOT_REPLACED)
             return
         loss = self.coord.declare_lost(NodeLoss(node=node, incarnation=incarnation, generation=target,
                                                 by_node=self.rdzv.node_rank, wall_time=self.clock.time(),
-                                                why=f"no lease renewal for {silent_s:.1f}s"))
+                                                why=why))
         when = time.strftime("%H:%M:%S", time.localtime(loss.wall_time))
         self.events.emit("node_lost", f"node {node} declared lost at {when} (by node {loss.by_node}: {loss.why}); "
                          f"the other nodes go on in generation {target} and wait up to --replace-timeout "

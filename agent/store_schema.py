@@ -84,6 +84,9 @@ def node_lease(node_rank: int) -> str:
     return f"member/{node_rank}/lease"
 
 
+NODE_LOSSES = "member/losses"          # a JSON list of every NodeLoss declared (the other agents read only this)
+
+
 def node_lost(node_rank: int, incarnation: str) -> str:
     """A NodeLoss: incarnation `incarnation` of node `node_rank` was declared lost (first claim wins)."""
     return f"member/{node_rank}/lost/{incarnation}"

@@ -16,6 +16,7 @@ from hyperpodrun.agent.inprocess import InProcess
 from hyperpodrun.agent.node import Node
 from hyperpodrun.agent.ports import KVStore, RendezvousInfo
 from hyperpodrun.agent.state import Phase
+from hyperpodrun.agent.store_schema import NodeLoss
 from hyperpodrun.agent.supervisor import WorkerProcess
 from hyperpodrun.config import LaunchConfig
 
@@ -208,6 +209,8 @@ class Harness:
     store: Optional[KVStore] = None
     clock: FakeClock = field(default_factory=FakeClock)
     obey: bool = True       # workers end on the first signal they get
+    incarnation: str = ""   # this agent's hold on its node rank ("": no holder checks, as before membership)
+    replacing: Optional[NodeLoss] = None   # this agent takes over a lost node's rank (rendezvous found it)
 
     def __post_init__(self) -> None:
         cfg = self.cfg
@@ -219,10 +222,11 @@ class Harness:
                                    world_size=cfg.nnodes * n, run_id=RUN, master_addr="127.0.0.1", store=store,
                                    store_host=self.node_rank == 0,
                                    store_endpoint=None if cfg.single_node else ("127.0.0.1", 1),
-                                   single_node=cfg.single_node)
+                                   single_node=cfg.single_node, incarnation=self.incarnation,
+                                   replacing=self.replacing)
         self.forged: list[str] = []
         self.coord = Coordinator(store, cfg.nnodes, cfg.max_restarts, key=KEY, run_id=RUN, node_rank=self.node_rank,
-                                 on_forged=self.forged.append)
+                                 on_forged=self.forged.append, incarnation=self.incarnation)
         self.sink = RecordingSink()
         self.events = EventLog(f"h{self.node_rank}", self.clock, console=False)
         self.events.add_sink(self.sink)
