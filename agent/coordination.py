@@ -16,7 +16,6 @@ through signed per-node marks. What a store writer can still do is listed in the
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -219,6 +218,7 @@ class Coordinator:
     # ------------------------------------------------------------ the job's failure
     def report_failure(self, info: FailureInfo) -> FailureInfo:
         """The job failed for good: tell every agent. The first report wins; returns the winning one."""
+        self.check_holder()
         won = self.records.claim(K.FAILED, info.to_json())
         return FailureInfo.from_json(won) if won is not None else info
 
@@ -238,6 +238,7 @@ class Coordinator:
     # ------------------------------------------------------------ in-process rounds
     def claim_root_cause(self, generation: int, info: FailureInfo) -> None:
         """Name the real cause of `generation`'s round job-wide (the first node that knows one wins)."""
+        self.check_holder()
         self.records.claim(K.root_cause(generation), info.with_(node=self.node_rank).to_json())
 
     def root_cause(self, generation: int) -> Optional[FailureInfo]:
@@ -253,6 +254,7 @@ class Coordinator:
         return self.records.count(K.inprocess_ready(generation), self.nnodes)
 
     def mark_inprocess_done(self, generation: int) -> None:
+        self.check_holder()
         self.records.mark(K.inprocess_done(generation), self.node_rank)
 
     def inprocess_done_count(self, generation: int) -> int:
@@ -260,12 +262,14 @@ class Coordinator:
 
     # ------------------------------------------------------------ the exit barrier
     def mark_done(self, generation: int) -> None:
+        self.check_holder()
         self.records.mark(K.done(generation), self.node_rank)
 
     def done_count(self, generation: int) -> int:
         return self.records.count(K.done(generation), self.nnodes)
 
     def mark_left(self) -> None:
+        self.check_holder()
         self.records.mark(K.LEFT, self.node_rank)
 
     def left_count(self) -> int:
@@ -274,17 +278,10 @@ class Coordinator:
     # ------------------------------------------------------------ membership (agent/membership.py)
     def declare_lost(self, loss: NodeLoss) -> NodeLoss:
         """Record that incarnation `loss.incarnation` of node `loss.node` is lost: its rank may be taken over
-        from now on. The first declaration wins and is returned."""
-        won = self.records.claim(K.node_lost(loss.node, loss.incarnation), loss.model_dump_json())
-        loss = NodeLoss.model_validate_json(won) if won is not None else loss
-
-        def listed(current: Optional[str]) -> str:
-            losses = json.loads(current) if current else []
-            if not any(x.get("node") == loss.node and x.get("incarnation") == loss.incarnation for x in losses):
-                losses.append(loss.model_dump())
-            return json.dumps(losses)
-        self.records.update(K.NODE_LOSSES, listed)   # what the agents that do not watch every lease read
-        return loss
+        from now on, and that incarnation is fenced should it come back. The first declaration wins and is
+        returned (agent/membership.py)."""
+        from hyperpodrun.agent.membership import MemberRecords   # membership builds on this module
+        return MemberRecords(self.records).declare_lost(loss)
 
 
 def _count_for(target: int) -> Callable[[Optional[str]], str]:

@@ -218,7 +218,7 @@ class InProcess:
         if r is None:
             return None
         r.awaiting[node] = incarnation
-        r.deadline = max(r.deadline, self.clock.monotonic() + self.cfg.replace_timeout)
+        r.deadline = self.clock.monotonic() + self.cfg.replace_timeout   # the survivors wait this long for it
         return r.target
 
     def node_joined(self, node: int) -> bool:

@@ -37,6 +37,14 @@ log = logging.getLogger("hyperpodrun.agent")
 NEVER_RENEWED_FACTOR = 3
 
 
+#: the holder record of a node rank whose incarnation was declared lost: "lost:<incarnation>"
+TOMBSTONE = "lost:"
+
+
+def tombstone(incarnation: str) -> str:
+    return TOMBSTONE + incarnation
+
+
 def new_incarnation() -> str:
     """A token naming this agent's start (a replacement on the same host has another one)."""
     return secrets.token_hex(8)
@@ -63,10 +71,11 @@ class MemberRecords:
 
     def take_over(self, node: int, lost: str, incarnation: str) -> bool:
         """Hold node rank `node` in place of incarnation `lost`, which must have been declared lost; False when
-        another newcomer was faster (or `lost` is not the holder any more)."""
+        another newcomer was faster (or `lost` is not the last holder any more)."""
         if self.loss(node, lost) is None:
             return False
-        won = self.records.update(K.node_holder(node), lambda cur: incarnation if cur == lost else (cur or ""))
+        won = self.records.update(K.node_holder(node),
+                                  lambda cur: incarnation if cur in (lost, tombstone(lost)) else (cur or ""))
         return won == incarnation
 
     # ------------------------------------------------------------ leases
@@ -79,9 +88,22 @@ class MemberRecords:
 
     # ------------------------------------------------------------ losses
     def declare_lost(self, loss: NodeLoss) -> NodeLoss:
-        """Record that `loss.incarnation` of node `loss.node` is lost (the first declaration wins; returned)."""
+        """Record that `loss.incarnation` of node `loss.node` is lost (the first declaration wins; returned):
+        the holder record becomes its tombstone - so that incarnation, should it come back, is fenced even
+        before a replacement arrives, and the rank is vacant - and the loss is added to the list the agents
+        that do not watch every lease read."""
         won = self.records.claim(K.node_lost(loss.node, loss.incarnation), loss.model_dump_json())
-        return NodeLoss.model_validate_json(won) if won is not None else loss
+        loss = NodeLoss.model_validate_json(won) if won is not None else loss
+        self.records.update(K.node_holder(loss.node),
+                            lambda cur: tombstone(loss.incarnation) if cur == loss.incarnation else (cur or ""))
+
+        def listed(current: Optional[str]) -> str:
+            losses = json.loads(current) if current else []
+            if not any(x.get("node") == loss.node and x.get("incarnation") == loss.incarnation for x in losses):
+                losses.append(loss.model_dump())
+            return json.dumps(losses)
+        self.records.update(K.NODE_LOSSES, listed)
+        return loss
 
     def loss(self, node: int, incarnation: str) -> Optional[NodeLoss]:
         value = self.records.read(K.node_lost(node, incarnation))
@@ -97,9 +119,10 @@ class MemberRecords:
         for node in range(nnodes):
             holder = self.holder(node)
             if holder:
-                loss = self.loss(node, holder)
+                lost = holder.removeprefix(TOMBSTONE)
+                loss = self.loss(node, lost)
                 if loss is not None:
-                    return node, holder, loss
+                    return node, lost, loss
         return None
 
 
@@ -172,21 +195,27 @@ class LossNews:
         self.me = me
         self._told: set[tuple[int, str]] = set()
         self._replaced: set[tuple[int, str]] = set()
+        self._first = True
 
     def observe(self, losses: list[NodeLoss], holder: Callable[[int], Optional[str]]) -> list[Posted]:
         events: list[Posted] = []
+        first, self._first = self._first, False
         for loss in losses:
             key = (loss.node, loss.incarnation)
             if loss.node == self.me:
                 continue
+            now = holder(loss.node) if key not in self._replaced else None
+            replaced = bool(now) and now not in (loss.incarnation, tombstone(loss.incarnation))
+            if first and replaced:   # over before this agent joined (it may be a replacement itself): no news
+                self._told.add(key)
+                self._replaced.add(key)
+                continue
             if key not in self._told:
                 self._told.add(key)
                 events.append(("node_lost", (loss.node, loss.incarnation, loss.why)))
-            if key not in self._replaced:
-                now = holder(loss.node)
-                if now is not None and now != loss.incarnation:
-                    self._replaced.add(key)
-                    events.append(("node_joined", (loss.node, now)))
+            if replaced and key not in self._replaced:
+                self._replaced.add(key)
+                events.append(("node_joined", (loss.node, now)))
         return events
 
 
@@ -212,9 +241,11 @@ class LeaseWatch:
             prev_holder, prev_key, since = prev
             if holder != prev_holder:
                 self._seen[node] = (holder, key, now)
-                if prev_holder is not None and holder is not None:
+                if prev_holder is not None and holder and not holder.startswith(TOMBSTONE):
                     events.append(("node_joined", (node, holder)))
                 continue
+            if not holder or holder.startswith(TOMBSTONE):
+                continue   # declared lost already: nothing to watch until someone takes the rank
             if key != prev_key:
                 self._seen[node] = (holder, key, now)
                 continue

@@ -133,10 +133,13 @@ class Node:
         if not self.state.active or self.rdzv.single_node:
             return
         inproc = self.inproc
-        target = inproc.node_lost(node, incarnation, why) if inproc is not None and inproc.ever_hello else None
+        # in-process when a round can take it: wrapped workers said HELLO, or this agent replaces a lost node
+        # and its ranks are on their way into the survivors' round
+        can = inproc is not None and (inproc.ever_hello or inproc.round is not None)
+        target = inproc.node_lost(node, incarnation, why) if inproc is not None and can else None
         if target is None:
-            if inproc is not None and inproc.completing:
-                return   # the job is complete: a node that leaves now is not lost
+            if inproc is not None and (inproc.completing or can):
+                return   # the job is complete (a node that leaves now is not lost), or nothing to act on
             msg = (f"node {node} lost: {why} (--node-timeout {self.cfg.node_timeout:g}s); only "
                    "--inprocess-restart with wrapped workers goes on without it")
             self.events.emit("node_lost", msg, node=node, level=logging.ERROR)
@@ -159,7 +162,7 @@ class Node:
 
     def _on_fenced(self, holder: str) -> None:
         """This agent was declared lost and another holds its node rank: stop everything, change nothing."""
-        if self.state.phase in (Phase.DONE, Phase.STOPPING):
+        if self.state.exiting:   # DONE, or already stopping to exit (a stop for a restart is overridden)
             return
         self.events.emit("fenced", f"node {self.rdzv.node_rank} was declared lost (no lease renewal for "
                          f"--node-timeout {self.cfg.node_timeout:g}s: this agent was stopped or cut off) and "

@@ -37,12 +37,17 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "node_loss_worker.py"
 BIN = Path(sys.executable).parent
-INIT = 'mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm || exit 99; "$@"; exit $?'
-UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--propagation", "private", "bash", "-c", INIT,
-           "bash"]
+# each node also gets its own UTS namespace and host name: torchrun's c10d rendezvous names a node by host name
+# and pid, and two agents that are pid 3 of their namespaces on one host would be the same node to it
+# ... and with --local-addr the node name is that address and the pid, so the agents' pids must differ too:
+# each node burns PID_BUMP pids of its namespace first
+INIT = ('hostname "$NODE_NAME" && mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm || exit 99; '
+        'for _ in $(seq "$PID_BUMP"); do : & done; wait; "$@"; exit $?')
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--uts", "--propagation", "private", "bash", "-c",
+           INIT, "bash"]
 HPR = ["--nproc-per-node", "2", "--inprocess-restart", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3",
        "--inprocess-timeout", "30", "--node-timeout", "3", "--replace-timeout", "60"]
-KILL_AT = 30
+KILL_AT = 35
 
 
 def free_port() -> int:
@@ -52,8 +57,12 @@ def free_port() -> int:
 
 
 class Node:
+    count = 0
+
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.log = log
+        Node.count += 1
+        env = dict(env, NODE_NAME=f"bench-{log.stem}", PID_BUMP=str(10 * Node.count))
         with open(log, "wb") as fh:
             self.popen = subprocess.Popen([*UNSHARE, *argv], env=env, stdout=fh, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
@@ -119,7 +128,7 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
         if scenario == "torchrun":
             return [str(BIN / "torchrun"), "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "3",
-                    "--monitor-interval", "0.1", str(WORKER)]
+                    "--monitor-interval", "0.1", "--local-addr", "127.0.0.1", str(WORKER)]
         log_dir = str(tmp / f"logs{node_rank}-{time.monotonic_ns()}")
         if scenario == "hpr-replace":
             where = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
@@ -140,7 +149,6 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
         wait_output(spare, "hot spare")
         nodes.append(spare)
     wait_step(out, KILL_AT, nodes)
-    last_before = max(r["step"] for r in records(out, "steps"))
     t_kill = time.time()
     node1.kill()
     node1.wait(30)
@@ -151,14 +159,18 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
     codes = [node0.wait(300), joiner.wait(300)]
     steps = records(out, "steps")
     entries = records(out, "entries")
-    firsts = []
-    for rank in range(4):
-        after = [r["t"] for r in steps if r["rank"] == rank and r["gen"] > 0 and r["t"] > t_kill]
+    firsts: list[Optional[float]] = []
+    for rank in range(4):   # the first step completed after this rank's training function started again
+        again = [e["t"] for e in entries if e["rank"] == rank and e["t"] > t_kill]
+        after = [r["t"] for r in steps if r["rank"] == rank and again and r["t"] > min(again)]
         firsts.append(min(after) if after else None)
-    resumed = [e["start"] for e in entries if e["gen"] > 0]
+    resumed = [e["start"] for e in entries if e["t"] > t_kill]
+    last_before = max(r["step"] for r in steps if r["t"] <= t_kill)
     res: dict[str, Any] = {"scenario": scenario, "exit_codes": codes, "ok": codes == [0, 0] and None not in firsts,
-                           "recovery_s": (max(firsts) - t_kill) if None not in firsts else None,  # type: ignore
-                           "steps_redone": (last_before - min(resumed)) if resumed else None}
+                           "recovery_s": max(firsts) - t_kill if all(f is not None for f in firsts) else None,  # type: ignore
+                           # a step's record is written after its save and a short sleep: a rank may resume one
+                           # step past the last record seen before the kill, which is 0 steps redone
+                           "steps_redone": max(0, last_before - min(resumed)) if resumed else None}
     if scenario != "torchrun":
         ev = []
         for d in tmp.glob("logs*"):
