@@ -23,7 +23,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from hyperpodrun.agent import store_schema as K
 from hyperpodrun.agent.coordination import SignedRecords
@@ -114,6 +114,24 @@ class MemberRecords:
         value = self.records.read(K.NODE_LOSSES)
         return [NodeLoss.model_validate(x) for x in json.loads(value)] if value else []
 
+    # ------------------------------------------------------------ hot spares
+    def add_spare(self, incarnation: str, host: str, since: float) -> None:
+        """This agent waits as a hot spare (listed, so the event log of the job can name it)."""
+        def add(current: Optional[str]) -> str:
+            spares = [x for x in (json.loads(current) if current else []) if x.get("incarnation") != incarnation]
+            return json.dumps([*spares, {"incarnation": incarnation, "host": host, "since": since}])
+        self.records.update(K.SPARES, add)
+
+    def remove_spare(self, incarnation: str) -> None:
+        def remove(current: Optional[str]) -> str:
+            return json.dumps([x for x in (json.loads(current) if current else [])
+                               if x.get("incarnation") != incarnation])
+        self.records.update(K.SPARES, remove)
+
+    def spares(self) -> list[dict[str, Any]]:
+        value = self.records.read(K.SPARES)
+        return list(json.loads(value)) if value else []
+
     def vacancy(self, nnodes: int) -> Optional[tuple[int, str, NodeLoss]]:
         """A node rank whose holder was declared lost and not yet replaced: (node, lost incarnation, loss)."""
         for node in range(nnodes):
@@ -132,6 +150,7 @@ class Membership(threading.Thread):
     ("node_lost", (node, incarnation, why))  a node was lost (its lease stopped moving for --node-timeout)
     ("node_joined", (node, incarnation))     another incarnation now holds a lost node's rank (a replacement)
     ("fenced", incarnation)                  this node's rank is held by another incarnation: leave
+    ("spare", (incarnation, host))           a hot spare waits (store host only)
 
     Only the agent that hosts the coordination store (`watch_all`) reads every lease - locally, as its store
     is in-process - and declares the losses (agent/node.py); every other agent reads one record, the list of
@@ -165,6 +184,7 @@ class Membership(threading.Thread):
             return
         watch = LeaseWatch(self.node, self.nnodes, self.timeout) if self.watch_all else None
         told = LossNews(self.node)
+        spares_told: set[Any] = set()
         count = 0
         while not self._stop.is_set():
             try:
@@ -177,6 +197,10 @@ class Membership(threading.Thread):
                 if watch is not None:
                     events = watch.observe(self._clock(), {n: (members.holder(n), members.lease(n))
                                                            for n in range(self.nnodes) if n != self.node})
+                    for spare in members.spares():
+                        if spare.get("incarnation") not in spares_told:
+                            spares_told.add(spare.get("incarnation"))
+                            events.append(("spare", (spare.get("incarnation"), spare.get("host"))))
                 else:
                     events = told.observe(members.losses(), members.holder)
                 for event in events:

@@ -125,6 +125,9 @@ class Node:
             self._on_node_joined(*value)
         elif kind == "fenced":
             self._on_fenced(str(value))
+        elif kind == "spare":
+            self.events.emit("spare_waiting", f"hot spare {value[0]} on {value[1]} is waiting (not in the world "
+                             "size); it takes over the next node that is lost", incarnation=value[0], spare_host=value[1])
 
     # ------------------------------------------------------------------ membership (agent/membership.py)
     def _on_node_lost(self, node: int, incarnation: str, why: str) -> None:

@@ -211,7 +211,14 @@ class C10dRendezvous(_StoreRendezvous):
         # node rank declared lost, for as long as the job runs
         log.warning("run %r has its %d node(s): waiting as a hot spare (not counted in the world size) to take "
                     "over a node that is lost", cfg.rdzv_id, cfg.nnodes)
-        return self.take_vacancy(store, cfg, members, incarnation, stop_requested, None, float("inf"))
+        members.add_spare(incarnation, hostname(), time.time())
+        try:
+            return self.take_vacancy(store, cfg, members, incarnation, stop_requested, None, float("inf"))
+        finally:
+            try:
+                members.remove_spare(incarnation)
+            except Exception as exc:  # the job (and its store) may be gone: nothing to unlist
+                log.debug("could not unlist this spare: %s", exc)
 
 
 register_backend("local", LocalRendezvous)

@@ -85,6 +85,7 @@ def node_lease(node_rank: int) -> str:
 
 
 NODE_LOSSES = "member/losses"          # a JSON list of every NodeLoss declared (the other agents read only this)
+SPARES = "member/spares"               # a JSON list of the hot spares waiting: {"incarnation", "host", "since"}
 
 
 def node_lost(node_rank: int, incarnation: str) -> str:

@@ -349,7 +349,10 @@ FAILS_WHILE_CHATTY = """
     sys.stdout.flush()
     sys.stderr.flush()
     open(os.path.join(sys.argv[1], f"wrote_{rank}"), "w").close()
-    if rank == 1:
+    if rank == 1:                    # fail once rank 0 has written all it writes too (both pipes full)
+        end = time.monotonic() + 30
+        while not os.path.exists(os.path.join(sys.argv[1], "wrote_0")) and time.monotonic() < end:
+            time.sleep(0.01)
         sys.exit(3)
     while True:                      # rank 0 runs until the agent stops it
         time.sleep(0.1)

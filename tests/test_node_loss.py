@@ -154,6 +154,7 @@ def test_hot_spare_takes_over_a_lost_node(launcher, tmp_path, reference):
     second.wait_event("agent_start")
     spare = job.start(2, label="spare")
     wait_until(lambda: "hot spare" in spare.proc.err(), 60, message="the spare says it waits")
+    first.wait_event("spare_waiting")            # the job's event log lists it
     job.wait_step(KILL_AT)
     second.kill()
     codes = [first.wait(180), spare.wait(180)]

@@ -387,3 +387,22 @@ def test_lightning_job_stopping_at_max_steps_leaves_no_cache_and_no_snapshots(tm
     assert proc.returncode == 0 and "fit done" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert not cache.exists(), f"MMAP cache left: {[p for p, _, _ in os.walk(cache)]}"
     assert os.listdir(shm) == [], f"snapshots left: {[p for p, _, _ in os.walk(shm)]}"
+
+
+def test_a_fresh_start_refuses_state_this_rank_already_trained(env, monkeypatch):
+    """A fault before every rank completed its first snapshot makes the job start again from the beginning
+    (another rank, running since the start, has none). Objects built inside the wrapped function are new and
+    simply start over; objects this rank already trained (built outside it) cannot be rewound: exit 75 with a
+    message that says what to do, never a silent mix of trained and fresh state."""
+    import types
+    from hyperpodrun.runtime import checkpoint as ckpt
+    from hyperpodrun.errors import StateLostError
+    cm = CheckpointManager(shm_dir=str(env))
+    cm.attach(types.SimpleNamespace(iteration=0, store=None), None)
+    model = torch.nn.Linear(4, 4)
+    cm.save(1, {"model": model})
+    other = {"shm": [], "disk": [], "latest": None, "copies": {}, "never_committed": True}
+    monkeypatch.setattr(ckpt, "gather", lambda mine: [mine, other])
+    with pytest.raises(StateLostError, match=r"\['model'\] are the objects this rank already trained"):
+        cm.restore({"model": model})
+    assert cm.restore({"model": torch.nn.Linear(4, 4)}) is None   # rebuilt: starts over

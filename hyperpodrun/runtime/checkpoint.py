@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import operator
+import weakref
 import os
 import shutil
 import threading
@@ -110,6 +111,8 @@ class CheckpointManager:
         self._hook: Any = None
         self._layouts = LayoutKeeper()
         self.last_saved: Optional[int] = None
+        self._first_iteration: Optional[int] = None   # the generation this process first ran the function in
+        self._saved_objects: list[weakref.ref] = []     # the state objects of the last save (not kept alive)
         self.peer_copy = peer_copy
         self._peers: Optional[PeerCopies] = None
         self._exit_hook = False
@@ -126,6 +129,8 @@ class CheckpointManager:
         before the function runs (`session`: the process's control session, None outside
         --inprocess-restart)."""
         self._caller, self._session = caller, session
+        if self._first_iteration is None:
+            self._first_iteration = int(getattr(caller, "iteration", 0))
         self._layouts.reset()
         world = int(os.environ.get("WORLD_SIZE", 1))
         peer = peer_of(self.rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -207,6 +212,7 @@ class CheckpointManager:
         payload: dict[str, Any] = {"step": step, "rng": rng_state(), "state": {},
                                    "ddp_layouts": self._layouts.collect()}
         stable: set[int] = set()
+        self._saved_objects = [weakref.ref(o) for o in state.values() if _weakrefable(o)]
         for name, obj in state.items():
             if hasattr(obj, "state_dict") and callable(obj.state_dict):
                 sd = state_dict_of(obj)
@@ -298,9 +304,18 @@ class CheckpointManager:
         disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
         mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
-                           "copies": {src: sorted(steps) for src, steps in copies.items()}}
+                           "copies": {src: sorted(steps) for src, steps in copies.items()},
+                           "never_committed": self._first_iteration == 0 and self.last_saved is None}
         plan = plan_restore(gather(mine), lambda world: self._groups(state, world))
         if plan is None:
+            alive = [o for o in (ref() for ref in self._saved_objects) if o is not None]
+            kept = [name for name, obj in state.items() if any(o is obj for o in alive)]
+            if kept and (shm or self.last_saved is not None):
+                raise StateLostError(
+                    f"rank {self.rank}: the job starts again from the beginning (a fault came before every rank "
+                    f"had completed its first snapshot), but {kept} are the objects this rank already trained "
+                    "(built outside the wrapped function) and cannot be rewound; build them inside the function, "
+                    "or save(0, state) before the first step")
             return None
         step = plan.step
 
@@ -358,6 +373,14 @@ class CheckpointManager:
         self._writer.wait()
         if self._fallback is not None:
             self._fallback.join()
+
+
+def _weakrefable(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+        return True
+    except TypeError:
+        return False
 
 
 def _launched() -> bool:

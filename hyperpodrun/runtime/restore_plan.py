@@ -29,6 +29,9 @@ class Inventory(TypedDict):
     disk: list[int]                   # steps in its disk fallback
     latest: Optional[int]             # the newest step it saved in this process (None: none)
     copies: dict[int, list[int]]      # source rank -> steps of that rank's slots it keeps (peer copies)
+    #: this process has run since the job's first generation and never sealed (or restored) a snapshot: no
+    #: step was ever committed by every rank, so the job's committed state is its start
+    never_committed: bool
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,16 @@ def find_snapshots(directory: str) -> dict[int, str]:
 
 def plan_restore(everyone: Sequence[Inventory],
                  groups_of: Callable[[int], list[list[int]]]) -> Optional[RestorePlan]:
-    """The plan for the gathered inventories (rank r's at index r), or None when no rank holds anything (a
-    fresh start). `groups_of(world)`: the replica groups (asked only when there is something to restore).
+    """The plan for the gathered inventories (rank r's at index r), or None for a fresh start: no rank holds
+    anything, or some rank that has run since the job started never completed a snapshot (then no step was
+    committed by every rank). `groups_of(world)`: the replica groups (asked only when there is something to restore).
     Raises StateLostError naming the ranks whose state at the newest step survives nowhere."""
     if not any(e["shm"] or e["disk"] for e in everyone):
+        return None
+    fresh = [r for r, e in enumerate(everyone) if e.get("never_committed")]
+    if fresh:   # a fault during the first snapshot: what the other ranks hold was never committed job-wide
+        log.warning("rank(s) %s have not completed a snapshot since the job started: no step was committed by "
+                    "every rank yet, so training starts again from the beginning", fresh)
         return None
     world = len(everyone)
     groups = groups_of(world)

@@ -653,3 +653,15 @@ def test_a_replacement_is_not_ended_by_an_older_loss_of_another_node():
     assert told == [], "a loss replaced before this agent joined is no news to it"
     r2.node.on_posted(("node_lost", (1, "inc1", "no lease renewal for 3.0s")))   # and were it told anyway
     assert r2.coord.failure() is None and r2.phase is Phase.RESTARTING
+
+
+def test_hot_spares_are_listed_while_they_wait() -> None:
+    raw = shared_store()
+    a, b = records_on(raw), records_on(raw)
+    assert a.spares() == []
+    a.add_spare("s1", "hostA", 1.0)
+    b.add_spare("s2", "hostB", 2.0)
+    a.add_spare("s1", "hostA", 3.0)                                       # listed once
+    assert [(x["incarnation"], x["host"]) for x in b.spares()] == [("s2", "hostB"), ("s1", "hostA")]
+    b.remove_spare("s1")                                                  # it took over a node
+    assert [x["incarnation"] for x in a.spares()] == ["s2"]

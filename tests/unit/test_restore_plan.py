@@ -11,8 +11,9 @@ from hyperpodrun.runtime.restore_plan import Inventory, plan_restore
 
 
 def inv(shm: tuple[int, ...] = (), disk: tuple[int, ...] = (), latest: Optional[int] = None,
-        copies: Optional[dict[int, list[int]]] = None) -> Inventory:
-    return {"shm": list(shm), "disk": list(disk), "latest": latest, "copies": copies or {}}
+        copies: Optional[dict[int, list[int]]] = None, never_committed: bool = False) -> Inventory:
+    return {"shm": list(shm), "disk": list(disk), "latest": latest, "copies": copies or {},
+            "never_committed": never_committed}
 
 
 def singletons(world: int) -> list[list[int]]:
@@ -54,3 +55,16 @@ def test_the_disk_fallback_when_memory_is_gone() -> None:
 def test_state_that_survives_nowhere_names_the_ranks() -> None:
     with pytest.raises(StateLostError, match=r"rank\(s\) \[1\] at step 9 survives nowhere"):
         plan_restore([inv((9,)), inv()], singletons)
+
+
+def test_a_fault_during_the_first_snapshot_starts_the_job_again() -> None:
+    """Ranks 2 and 3 sealed step 1; ranks 0 and 1, running since the start, dropped theirs (RESTART came during
+    the copy): step 1 was never committed by every rank, so the committed state is the start - not exit 75."""
+    everyone = [inv(never_committed=True), inv(never_committed=True), inv((1,), latest=1), inv((1,), latest=1)]
+    assert plan_restore(everyone, singletons) is None
+
+
+def test_a_replaced_rank_without_state_is_still_a_loss() -> None:
+    """A new process (not running since the start) with nothing: its state at step 9 is lost (exit 75)."""
+    with pytest.raises(StateLostError, match=r"rank\(s\) \[1\] at step 9"):
+        plan_restore([inv((9,), latest=9), inv(never_committed=False)], singletons)
