@@ -145,7 +145,13 @@ class _StoreRendezvous(abc.ABC):
         while True:
             if stop_requested():
                 raise RendezvousInterrupted()
-            found = members.vacancy(cfg.nnodes)
+            try:
+                found = members.vacancy(cfg.nnodes)
+            except RuntimeError as exc:   # torch's DistError: the store's host has gone away
+                if not any(c.__name__ == "DistError" for c in type(exc).__mro__):
+                    raise
+                raise JobOver(f"the coordination store of run {cfg.rdzv_id!r} is gone (the job has ended, or the "
+                              "node that hosts it was lost); this agent was not needed") from None
             if found is not None and (node is None or found[0] == node):
                 lost_node, lost, loss = found
                 if members.take_over(lost_node, lost, incarnation):

@@ -226,3 +226,21 @@ def test_node_killed_during_a_recovery_round(launcher, tmp_path, reference):
     assert node0.events("node_lost") and replacement.events("replacing"), info
     assert_survivors_kept_processes(job)
     assert_same_state(reference, job.out)
+
+
+def test_a_spare_that_was_not_needed_leaves_with_the_job(launcher, tmp_path):
+    """c10d, a hot spare for a job that loses no node: the job finishes, and the spare exits 0 with one line
+    (it never joined the world size)."""
+    job = Cluster(launcher, tmp_path, "idle-spare", "c10d")
+    job.env["STEPS"] = "30"
+    first = job.start(0)
+    wait_until(lambda: "node 0 waiting" in first.proc.err(), 60, message="node 0 joined")
+    second = job.start(1)
+    first.wait_event("agent_start")
+    spare = job.start(2, label="spare")
+    wait_until(lambda: "hot spare" in spare.proc.err(), 60, message="the spare says it waits")
+    codes = [first.wait(180), second.wait(180), spare.wait(60)]
+    info = job.describe()
+    assert codes == [0, 0, 0], info
+    assert "this agent was not needed" in spare.proc.err(), info
+    assert not spare.events("agent_start"), "the spare never took a node rank\n" + info

@@ -41,8 +41,14 @@ def maybe_fault(where, step, rank, generation):
             while gate and not os.path.exists(gate) and time.monotonic() < end:
                 time.sleep(0.02)
             if kind == "wipe-kill":   # the rank's snapshots are lost with it (as when its node is lost)
-                if fstep == "0":      # ... and another, listed in the same fault, at the same moment
-                    pass
+                # every rank with a wipe-kill at this step and place goes at the same moment (a node lost whole):
+                # each waits until all of them got here, so none is interrupted before its own fault
+                open(os.path.join(OUT_DIR, f"wipe.{rank}.{step}.{where}"), "w").close()
+                peers = [int(r) for k, r, s, w, *_ in FAULTS if k == "wipe-kill" and int(s) == step and w == where]
+                end = time.monotonic() + 60
+                while time.monotonic() < end and not all(
+                        os.path.exists(os.path.join(OUT_DIR, f"wipe.{r}.{step}.{where}")) for r in peers):
+                    time.sleep(0.01)
                 import shutil
                 shutil.rmtree(cm.slot_dir(), ignore_errors=True)
                 os.kill(os.getpid(), signal.SIGKILL)
