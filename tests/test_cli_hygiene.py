@@ -416,7 +416,14 @@ def test_tee_release_of_a_finished_stream_leaves_a_new_one_on_the_same_fd(tmp_pa
         old = tee.attach(r1, str(tmp_path / "a.log"), con_w, "[a]: ")
         os.write(w1, b"one\ntwo")
         os.close(w1)
-        wait_until(lambda: (tmp_path / "a.log").read_bytes() == b"one\ntwo" and not tee._streams, 5,
+        def closed(fd: int) -> bool:
+            try:
+                os.fstat(fd)
+                return False
+            except OSError:
+                return True
+        # the pump has finished the stream and closed its read end (the fd number is free again)
+        wait_until(lambda: (tmp_path / "a.log").read_bytes() == b"one\ntwo" and not tee._streams and closed(r1), 10,
                    message="EOF seen by the pump")
         r2, w2 = T.worker_pipe()
         assert r2 == r1, "the kernel gives the lowest free fd: the new pipe reuses the number"
