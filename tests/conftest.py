@@ -290,3 +290,18 @@ def read_markers(directory: Path, pattern: str) -> list[dict[str, Any]]:
 
 def count_files(directory: Path, pattern: str) -> int:
     return len(glob.glob(os.path.join(str(directory), pattern)))
+
+
+def assert_same_ckpt_state(ref_dir: Any, got_dir: Any, ranks: int = 4) -> None:
+    """The parameters and optimizer state each rank of tests/scripts/ckpt_worker.py wrote at the end
+    (rank<r>.pt) are bitwise equal in two runs."""
+    import torch
+    for rank in range(ranks):
+        a = torch.load(os.path.join(ref_dir, f"rank{rank}.pt"))
+        b = torch.load(os.path.join(got_dir, f"rank{rank}.pt"))
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), f"rank {rank}: parameter {k} differs"
+        for pid, st in a["opt"].items():
+            for n, v in st.items():
+                if torch.is_tensor(v):
+                    assert torch.equal(v, b["opt"][pid][n]), f"rank {rank}: optimizer state {pid}.{n} differs"

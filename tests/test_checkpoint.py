@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from conftest import assert_same_ckpt_state as assert_same
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "scripts", "ckpt_worker.py")
 HYPERPODRUN = os.path.join(os.path.dirname(sys.executable), "hyperpodrun")
@@ -51,18 +53,6 @@ def events(tmp_path, name: str) -> list[dict]:
     for f in run_dir.glob("*.events.jsonl"):
         recs += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     return recs
-
-
-def assert_same(ref_dir: str, got_dir: str) -> None:
-    for rank in range(4):
-        a = torch.load(os.path.join(ref_dir, f"rank{rank}.pt"))
-        b = torch.load(os.path.join(got_dir, f"rank{rank}.pt"))
-        for k in a["model"]:
-            assert torch.equal(a["model"][k], b["model"][k]), f"rank {rank}: parameter {k} differs"
-        for pid, st in a["opt"].items():
-            for n, v in st.items():
-                if torch.is_tensor(v):
-                    assert torch.equal(v, b["opt"][pid][n]), f"rank {rank}: optimizer state {pid}.{n} differs"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 import torch
 
-from conftest import SCRIPTS, free_port, wait_until
+from conftest import SCRIPTS, assert_same_ckpt_state as assert_same_state, free_port, wait_until
 from nodes import Node, unavailable
 from hyperpodrun.errors import EXIT_FENCED
 
@@ -73,18 +73,6 @@ class Cluster:
 
     def describe(self) -> str:
         return "\n".join(n.describe() for n in self.nodes)
-
-
-def assert_same_state(ref: Path, got: Path) -> None:
-    for rank in range(4):
-        a = torch.load(ref / f"rank{rank}.pt")
-        b = torch.load(got / f"rank{rank}.pt")
-        for k in a["model"]:
-            assert torch.equal(a["model"][k], b["model"][k]), f"rank {rank}: parameter {k} differs"
-        for pid, st in a["opt"].items():
-            for n, v in st.items():
-                if torch.is_tensor(v):
-                    assert torch.equal(v, b["opt"][pid][n]), f"rank {rank}: optimizer state {pid}.{n} differs"
 
 
 @pytest.fixture(scope="module")

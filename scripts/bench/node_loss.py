@@ -116,6 +116,18 @@ def wait_output(node: Node, text: str, timeout: float = 60) -> None:
     raise RuntimeError(f"{node.log.name}: no {text!r} within {timeout}s")
 
 
+def wait_listening(port: int, timeout: float = 60) -> None:
+    """Until something accepts connections on 127.0.0.1:port (torchrun's agent hosting its store)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
+
+
 def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
     out = tmp / "out"
     out.mkdir()
@@ -139,7 +151,7 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
 
     node0 = Node(cmd(0), env, tmp / "node0.log")
     if scenario != "hpr-replace":   # c10d: the first agent to bind the endpoint hosts the store - node 0
-        time.sleep(0.5) if scenario == "torchrun" else wait_output(node0, "node 0 waiting")
+        wait_listening(port) if scenario == "torchrun" else wait_output(node0, "node 0 waiting")
     node1 = Node(cmd(1), env, tmp / "node1.log")
     nodes = [node0, node1]
     spare = None
