@@ -37,7 +37,8 @@ from hyperpodrun.agent.rendezvous import JobOver, RendezvousInterrupted, hostnam
 from hyperpodrun.agent.state import IllegalTransition
 from hyperpodrun.agent.supervisor import Reaper, Supervisor, become_subreaper
 from hyperpodrun.agent.tee import Tee
-from hyperpodrun.agent.workers import WorkerLauncher
+from hyperpodrun.agent.warm_spawner import WarmSpawner
+from hyperpodrun.agent.workers import WorkerLauncher, standby_spawner
 from hyperpodrun.config import LaunchConfig, private_log_base, temp_log_base
 from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, FencedError, HyperpodrunError
 from hyperpodrun.runtime import shm_runs
@@ -120,6 +121,7 @@ class Agent:
         self.gpu: Optional[GpuHealth] = None
         self.symptom_grace_s = symptom_grace()
         self.subreaper = False
+        self.standby: Optional[WarmSpawner] = None   # imports torch while this agent waits as a hot spare
 
     # ----------------------------------------------------------------------------------------- entry
     def run(self) -> int:
@@ -154,7 +156,8 @@ class Agent:
         self.sup = Supervisor(self.reaper)
         self._install_signals()
         try:
-            self.rdzv = rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals))
+            self.rdzv = rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals),
+                                          on_standby=self._import_ahead)
         except JobOver as exc:
             log.warning("hyperpodrun: %s", exc)
             return 0
@@ -203,7 +206,7 @@ class Agent:
         self.coord = coord = Coordinator(rdzv.store, rdzv.nnodes, cfg.max_restarts,
                                          key=auth.derive(rdzv.secret, "store"), run_id=rdzv.run_id,
                                          node_rank=rdzv.node_rank, on_forged=lambda msg: post(("forged", msg)),
-                                         incarnation=rdzv.incarnation)
+                                         incarnation=rdzv.incarnation, nodes=lambda: rdzv.nodes)
         if rdzv.store_host:
             self.wstores = stores.WorkerStores(rdzv.bind_addr)   # loopback on one node (README, Security)
         self.tee = Tee(on_problem=lambda message: post(("output_dropped", message)))
@@ -211,7 +214,8 @@ class Agent:
             self.control = ControlServer()
         endpoint = self.control.endpoint if cfg.inprocess_restart and self.control else None
         self.launcher = WorkerLauncher(cfg, rdzv, run_dir, self.host, sup, self.tee, self.events, control=endpoint,
-                                       subreaper=self.subreaper)
+                                       subreaper=self.subreaper, standby=self.standby)
+        self.standby = None   # the launcher owns it now
         self.node = node = Node(cfg, rdzv, self.host, procs=sup, launcher=self.launcher, coord=coord,
                                 wstores=self.wstores, events=self.events, clock=self.clock,
                                 exit_grace_s=settings.current().exit_grace_s,
@@ -259,8 +263,9 @@ class Agent:
         if rdzv.single_node:
             return
         self.membership = Membership(self._helper_store(), lambda store: coord.view(store).records, self.inbox.post,
-                                     node=rdzv.node_rank, nnodes=rdzv.nnodes, incarnation=rdzv.incarnation,
-                                     node_timeout=self.cfg.node_timeout, watch_all=rdzv.store_host)
+                                     node=rdzv.node_rank, nnodes=self.cfg.nnodes, incarnation=rdzv.incarnation,
+                                     node_timeout=self.cfg.node_timeout, watch_all=rdzv.store_host,
+                                     nodes=lambda: rdzv.nodes, elastic=self.cfg.elastic)
         self.membership.start()
 
     # ------------------------------------------------------------------------------------ plumbing
@@ -344,6 +349,12 @@ class Agent:
         node.tick()
 
     # ------------------------------------------------------------------------------------ the end
+    def _import_ahead(self) -> None:
+        """This agent waits for a place in a running job: import torch for its workers meanwhile, so that they
+        start warm when it takes over (a hot spare whose imports are done)."""
+        if self.cfg.inprocess_restart and self.standby is None and self.sup is not None:
+            self.standby = standby_spawner(self.cfg, self.sup, self.subreaper)
+
     def _cleanup(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
@@ -361,6 +372,8 @@ class Agent:
                     time.sleep(0.01)
         if self.launcher is not None:
             self.launcher.stop_warm_spawner()
+        if self.standby is not None:   # a spare that never took a place
+            self.standby.close()
         if self.tee is not None:
             self.tee.close()
         if self.reaper is not None:

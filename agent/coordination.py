@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from hyperpodrun import auth
 from hyperpodrun.agent import store_schema as K
 from hyperpodrun.agent.ports import KVStore, Posted, RestartGrant
-from hyperpodrun.agent.store_schema import FailureInfo, NodeLoss, RestartBudget, RestartClaim
+from hyperpodrun.agent.store_schema import FailureInfo, Layout, NodeJoin, NodeLoss, RestartBudget, RestartClaim
 from hyperpodrun.errors import FencedError
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -131,30 +131,39 @@ class SignedRecords:
         self.write(K.node_mark(name, node), "1" if on else "0")
         self.store.add(name, 1 if on else -1)
 
-    def count(self, name: str, nnodes: int) -> int:
-        """How many nodes set mark `name`. The counter says when it is worth checking the signed marks."""
+    def count(self, name: str, nodes: Sequence[int]) -> int:
+        """How many of `nodes` set mark `name`. The counter says when it is worth checking the signed marks: below
+        len(nodes) it is returned as is (an upper bound: it may include nodes outside the job that marked)."""
         hint = int(self.store.add(name, 0))
-        if hint < nnodes:
+        if hint < len(nodes):
             return max(hint, 0)
         marked = 0
-        for node in range(nnodes):
-            mark = K.node_mark(name, node)
-            raw = self._raw(mark)
-            if raw and self._unpack(mark, raw) == "1":
+        for node in nodes:
+            if self._marked(name, node):
                 marked += 1
-        if marked < nnodes and hint > nnodes:
-            self._forged(name)
+        if marked < len(nodes) and hint > len(nodes):
+            # more counted than marked: forged, unless nodes outside the job now (lost, dropped) marked too
+            outside = [n for n in range(max(nodes, default=-1) + 1 + hint) if n not in nodes]
+            if marked + sum(self._marked(name, n) for n in outside) < hint:
+                self._forged(name)
         return marked
+
+    def _marked(self, name: str, node: int) -> bool:
+        mark = K.node_mark(name, node)
+        raw = self._raw(mark)
+        return bool(raw) and self._unpack(mark, raw) == "1"
 
 
 class Coordinator:
     """Main-thread view of the job-wide records (the Coordination port). `store` is already prefixed to the run."""
 
     def __init__(self, store: KVStore, nnodes: int, max_restarts: int, *, key: bytes, run_id: str, node_rank: int,
-                 on_forged: Callable[[str], None], incarnation: str = "") -> None:
+                 on_forged: Callable[[str], None], incarnation: str = "",
+                 nodes: Optional[Callable[[], Sequence[int]]] = None) -> None:
         self.store = store
         self.incarnation = incarnation      # this agent's hold on its node rank (agent/membership.py)
         self.nnodes = nnodes
+        self._nodes = nodes or (lambda: range(nnodes))   # the node ranks of the job now (they change: elastic)
         self.max_restarts = max_restarts
         self.node_rank = node_rank
         self._key = key
@@ -166,7 +175,8 @@ class Coordinator:
     def view(self, store: KVStore) -> "Coordinator":
         """The same job's records over another connection to the same store (the watcher's)."""
         other = Coordinator(store, self.nnodes, self.max_restarts, key=self._key, run_id=self._run,
-                            node_rank=self.node_rank, on_forged=lambda name: None, incarnation=self.incarnation)
+                            node_rank=self.node_rank, on_forged=lambda name: None, incarnation=self.incarnation,
+                            nodes=self._nodes)
         other.forgeries = self.forgeries    # each forged name is still reported once, whichever view saw it
         other.records = SignedRecords(store, self._key, self._run, self.forgeries)
         return other
@@ -250,30 +260,30 @@ class Coordinator:
         self.check_holder()
         self.records.mark(K.inprocess_ready(generation), self.node_rank, on)
 
-    def ready_count(self, generation: int) -> int:
-        return self.records.count(K.inprocess_ready(generation), self.nnodes)
+    def ready_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.inprocess_ready(generation), nodes or self._nodes())
 
     def mark_inprocess_done(self, generation: int) -> None:
         self.check_holder()
         self.records.mark(K.inprocess_done(generation), self.node_rank)
 
-    def inprocess_done_count(self, generation: int) -> int:
-        return self.records.count(K.inprocess_done(generation), self.nnodes)
+    def inprocess_done_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.inprocess_done(generation), nodes or self._nodes())
 
     # ------------------------------------------------------------ the exit barrier
     def mark_done(self, generation: int) -> None:
         self.check_holder()
         self.records.mark(K.done(generation), self.node_rank)
 
-    def done_count(self, generation: int) -> int:
-        return self.records.count(K.done(generation), self.nnodes)
+    def done_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.done(generation), nodes or self._nodes())
 
     def mark_left(self) -> None:
         self.check_holder()
         self.records.mark(K.LEFT, self.node_rank)
 
-    def left_count(self) -> int:
-        return self.records.count(K.LEFT, self.nnodes)
+    def left_count(self, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.LEFT, nodes or self._nodes())
 
     # ------------------------------------------------------------ membership (agent/membership.py)
     def declare_lost(self, loss: NodeLoss) -> NodeLoss:
@@ -282,6 +292,28 @@ class Coordinator:
         returned (agent/membership.py)."""
         from hyperpodrun.agent.membership import MemberRecords   # membership builds on this module
         return MemberRecords(self.records).declare_lost(loss)
+
+    def drop_lost(self, node: int, incarnation: str) -> bool:
+        """Elastic shrink: no replacement takes node `node` (lost as `incarnation`) any more; False when one
+        already has (agent/layout.py)."""
+        from hyperpodrun.agent.membership import MemberRecords
+        self.check_holder()
+        return MemberRecords(self.records).drop(node, incarnation)
+
+    def set_layout(self, layout: Layout) -> Layout:
+        """The job runs on `layout`'s nodes from its generation on (first claim wins; the agreed one)."""
+        from hyperpodrun.agent.layout import LayoutRecords
+        self.check_holder()
+        return LayoutRecords(self.records).claim(layout)
+
+    def layout_for_round(self, target: int) -> Optional[Layout]:
+        """The layout the round into `target` moves to, when the job's nodes change there or before."""
+        from hyperpodrun.agent.layout import LayoutRecords
+        return LayoutRecords(self.records).for_round(target)
+
+    def join_request(self, node: int) -> Optional[NodeJoin]:
+        from hyperpodrun.agent.layout import LayoutRecords
+        return LayoutRecords(self.records).join_request(node)
 
 
 def _count_for(target: int) -> Callable[[Optional[str]], str]:

@@ -15,14 +15,15 @@ from typing import Mapping, Optional
 
 from hyperpodrun import protocol as P
 from hyperpodrun import settings
+from hyperpodrun.agent.elastic import Elastic
 from hyperpodrun.agent.ports import Clock, ControlSender, Coordination, Events, NodeOps, RendezvousInfo
 from hyperpodrun.agent.rankstate import (ABORTED, RankState, Round, StepGuard, first_to_kill, not_ready,
                                          progress_culprits, stuck_ranks)
 from hyperpodrun.agent.state import NodeState, Phase
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.store_schema import FailureInfo, NodeJoin
 from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit, shell_code
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import EXIT_NODE_NOT_REPLACED, EXIT_STEP_KEEPS_FAILING
+from hyperpodrun.errors import EXIT_FENCED, EXIT_NODE_NOT_REPLACED, EXIT_STEP_KEEPS_FAILING
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -60,6 +61,7 @@ class InProcess:
         self.steps = StepGuard(cfg.max_step_failures)
         self.excused: set[int] = set()   # local ranks whose SIGABRT after completion was not counted
         self.grace = restart_grace(cfg)
+        self.elastic = Elastic(cfg, rdzv, coord, events, clock)
 
     # ------------------------------------------------------------------ helpers
     def by_rank(self, rank: int) -> Optional[RankState]:
@@ -94,9 +96,12 @@ class InProcess:
 
     # ------------------------------------------------------------------ messages
     def on_message(self, ident: bytes, msg: P._Msg) -> None:
-        rank = getattr(msg, "rank", None)
-        st = self.by_rank(rank) if isinstance(rank, int) else None
-        if st is None or (getattr(msg, "pid", None) not in (None, st.pid)):
+        rank, pid = getattr(msg, "rank", None), getattr(msg, "pid", None)
+        # by pid first: an elastic job renumbers the ranks, and a message sent before GO has the old rank
+        st = next((s for s in self.ranks.values() if s.pid == pid), None) if pid is not None else None
+        if st is None and pid is None and isinstance(rank, int):
+            st = self.by_rank(rank)
+        if st is None:
             log.debug("ignored %s from rank %s pid %s (not a current worker)", getattr(msg, "type", "?"), rank,
                       getattr(msg, "pid", None))
             return
@@ -131,7 +136,8 @@ class InProcess:
                                  abort_s=msg.abort_s, finalize_s=msg.finalize_s, health_s=msg.health_s,
                                  level=logging.DEBUG)
         elif isinstance(msg, P.Restored):
-            self.events.emit("state_restored", f"state restored at step {msg.step} from {msg.source} "
+            where = "at the new world size" if msg.source == "resized" else f"from {msg.source}"
+            self.events.emit("state_restored", f"state restored at step {msg.step} {where} "
                              f"({msg.lost_steps} step(s) lost to the fault)", generation=msg.generation,
                              step=msg.step, lost_steps=msg.lost_steps, source=msg.source)
         elif isinstance(msg, P.Done):
@@ -230,6 +236,10 @@ class InProcess:
         r.deadline = max(r.deadline, self.clock.monotonic() + self.cfg.inprocess_timeout)
         return True
 
+    def want_join(self, node: int, join: NodeJoin) -> None:
+        """An elastic newcomer asks to be admitted: at the next generation, once no round is under way."""
+        self.elastic.want_join(node, join)
+
     def remote_generation(self, gen: int) -> None:
         """Another node moved the generation."""
         r = self.round
@@ -243,8 +253,11 @@ class InProcess:
         self.round = r = Round(target=target, t_detect=now, root=info, deadline=now + self.cfg.inprocess_timeout,
                                grace_at=now + self.grace)
         self.state.begin_round()
-        self.events.emit("fault", f"fault detected: {info.summary}", generation=self.state.generation,
-                         rank=info.rank, step=info.step, root_cause=info.summary, level=logging.WARNING)
+        if info.cause == "node joins":   # an elastic job grows: a round, but no fault
+            self.events.emit("grow", f"elastic: {info.summary}", generation=self.state.generation, node=info.node)
+        else:
+            self.events.emit("fault", f"fault detected: {info.summary}", generation=self.state.generation,
+                             rank=info.rank, step=info.step, root_cause=info.summary, level=logging.WARNING)
         self.ops.open_worker_store(target)
         restart = P.Restart(generation=target, reason=info.summary)
         sent, unreachable = 0, []
@@ -322,6 +335,10 @@ class InProcess:
         if self.round is None and not self.completing:
             self._check_progress(now, live)
             self._check_done()
+        if self.round is None and not self.completing and self.ever_hello and self.state.phase is Phase.RUNNING:
+            joins = self.elastic.admission(self.state.generation)
+            if joins is not None:
+                self.fault(joins, failed=())
         if self.round is not None:
             self._advance_round(now, live)
 
@@ -358,6 +375,13 @@ class InProcess:
         r = self.round
         assert r is not None
         gen = self.state.generation
+        self.elastic.follow(r)
+        if self.elastic.excluded(r):
+            self.round = None
+            self.ops.leave(EXIT_FENCED, f"the job went on without node {self.rdzv.node_rank} from generation "
+                           f"{r.target} (it was not replaced in time, and the elastic job shrank); this agent "
+                           "leaves - start it again to join the job as a new node")
+            return
         # ranks that have not left the failed generation after RESTART + grace cannot be interrupted; but
         # while a rank that reported the FAULT is still tearing its groups down, the peers blocked on it
         # are waiting for that, not stuck (its own abort_timeout and --inprocess-timeout bound it)
@@ -381,7 +405,8 @@ class InProcess:
             if not r.node_ready_marked:
                 self.coord.mark_ready(r.target)
                 r.node_ready_marked = True
-            all_ready = self.coord.ready_count(r.target) >= self.rdzv.nnodes
+            nodes = self.elastic.nodes(r)
+            all_ready = self.coord.ready_count(r.target, nodes) >= len(nodes)
         if all_ready:
             port = self.coord.worker_store_port(r.target)
             if port is not None:
@@ -389,16 +414,19 @@ class InProcess:
                 return
         if now >= r.deadline:
             if r.awaiting:
-                self._not_replaced(r)
+                if not self.elastic.shrink(r, now):
+                    self._not_replaced(r)
             else:
                 self._escalate(r, now)
 
     def _not_replaced(self, r: Round) -> None:
         """A lost node was not replaced within --replace-timeout: the job cannot go on at its size."""
         nodes = ", ".join(str(n) for n in sorted(r.awaiting))
-        msg = (f"node(s) {nodes} lost and not replaced within --replace-timeout {self.cfg.replace_timeout:g}s: "
-               "start the lost node's command again (or a hot spare with the c10d backend) sooner, or raise "
-               "--replace-timeout")
+        fewer = (f" and fewer than --nnodes {self.cfg.min_nnodes}:{self.cfg.nnodes} minimum would remain"
+                 if self.cfg.elastic else "")
+        msg = (f"node(s) {nodes} lost and not replaced within --replace-timeout {self.cfg.replace_timeout:g}s"
+               f"{fewer}: start the lost node's command again (or a hot spare with the c10d backend) sooner, or "
+               "raise --replace-timeout")
         self.events.emit("not_replaced", msg, generation=r.target, level=logging.ERROR)
         self.round = None
         self.ops.fail_job(r.root.with_(summary=f"{msg} (the restart began with: {r.root.summary})", cause=msg,
@@ -424,9 +452,15 @@ class InProcess:
             return
         self.events.emit("barrier_complete", f"every rank ready for generation {r.target}", generation=r.target,
                          duration_s=now - r.t_detect)
-        go = P.Go(generation=r.target, master_addr=self.rdzv.master_addr, master_port=port)
+        lay = self.elastic.adopt(r)
         unreachable = []
         for st in self.ranks.values():
+            go = P.Go(generation=r.target, master_addr=self.rdzv.master_addr, master_port=port)
+            if lay is not None:   # an elastic job shrank or grew: every rank's new place
+                st.rank = self.rdzv.rank_offset + st.local_rank
+                go = go.model_copy(update=dict(rank=st.rank, world_size=self.rdzv.world_size,
+                                               group_rank=self.rdzv.group_rank, group_world_size=self.rdzv.nnodes,
+                                               previous_world_size=lay.previous_world_size))
             if not self.control.send(st.ident, go):
                 unreachable.append(st)
             st.progress_t = now

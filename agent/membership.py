@@ -23,7 +23,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from hyperpodrun.agent import store_schema as K
 from hyperpodrun.agent.coordination import SignedRecords
@@ -77,6 +77,20 @@ class MemberRecords:
         won = self.records.update(K.node_holder(node),
                                   lambda cur: incarnation if cur in (lost, tombstone(lost)) else (cur or ""))
         return won == incarnation
+
+    def take_unused(self, node: int, incarnation: str) -> bool:
+        """Elastic: hold node rank `node`, which the job does not use (never held, or dropped when it shrank)."""
+        won = self.records.update(K.node_holder(node), lambda cur: incarnation
+                                  if not cur or cur.startswith(K.node_dropped("")) else cur)
+        return won == incarnation
+
+    def drop(self, node: int, incarnation: str) -> bool:
+        """Elastic shrink: node rank `node`, lost as `incarnation`, is no longer taken over (its tombstone
+        becomes `dropped:`); False when a replacement holds it already."""
+        dropped = K.node_dropped(incarnation)
+        won = self.records.update(K.node_holder(node), lambda cur: dropped if cur in (tombstone(incarnation), dropped)
+                                  else (cur or ""))
+        return won == dropped
 
     # ------------------------------------------------------------ leases
     def renew(self, node: int, incarnation: str, count: int) -> None:
@@ -151,6 +165,7 @@ class Membership(threading.Thread):
     ("node_joined", (node, incarnation))     another incarnation now holds a lost node's rank (a replacement)
     ("fenced", incarnation)                  this node's rank is held by another incarnation: leave
     ("spare", (incarnation, host))           a hot spare waits (store host only)
+    ("node_joining", (node, NodeJoin))       an elastic newcomer holds unused node rank `node` (store host only)
 
     Only the agent that hosts the coordination store (`watch_all`) reads every lease - locally, as its store
     is in-process - and declares the losses (agent/node.py); every other agent reads one record, the list of
@@ -159,13 +174,16 @@ class Membership(threading.Thread):
 
     def __init__(self, open_store: Callable[[], KVStore], records: Callable[[KVStore], SignedRecords],
                  post: Callable[[Posted], None], *, node: int, nnodes: int, incarnation: str,
-                 node_timeout: float, watch_all: bool, clock: Callable[[], float] = time.monotonic) -> None:
+                 node_timeout: float, watch_all: bool, clock: Callable[[], float] = time.monotonic,
+                 nodes: Optional[Callable[[], Sequence[int]]] = None, elastic: bool = False) -> None:
         super().__init__(name="hyperpodrun-membership", daemon=True)
         self._open_store = open_store
         self._records = records
         self._post = post
         self.node = node
-        self.nnodes = nnodes
+        self.nnodes = nnodes                # the most nodes (MAX of an elastic --nnodes)
+        self.nodes = nodes or (lambda: range(nnodes))   # the node ranks of the job now
+        self.elastic = elastic
         self.incarnation = incarnation
         self.timeout = node_timeout
         self.watch_all = watch_all
@@ -185,6 +203,7 @@ class Membership(threading.Thread):
         watch = LeaseWatch(self.node, self.nnodes, self.timeout) if self.watch_all else None
         told = LossNews(self.node)
         spares_told: set[Any] = set()
+        joins_told: set[tuple[int, str]] = set()
         count = 0
         while not self._stop.is_set():
             try:
@@ -195,8 +214,11 @@ class Membership(threading.Thread):
                 count += 1
                 members.renew(self.node, self.incarnation, count)
                 if watch is not None:
+                    nodes = list(self.nodes())
                     events = watch.observe(self._clock(), {n: (members.holder(n), members.lease(n))
-                                                           for n in range(self.nnodes) if n != self.node})
+                                                           for n in nodes if n != self.node})
+                    if self.elastic:
+                        events += self._joining(members, nodes, joins_told)
                     for spare in members.spares():
                         if spare.get("incarnation") not in spares_told:
                             spares_told.add(spare.get("incarnation"))
@@ -209,6 +231,19 @@ class Membership(threading.Thread):
                 log.debug("membership: store unreachable (%s)", exc)
                 return
             self._stop.wait(self.interval)
+
+
+    def _joining(self, members: MemberRecords, nodes: list[int], told: set[tuple[int, str]]) -> list[Posted]:
+        """Newcomers of an elastic job: an unused node rank held by the incarnation that asked to join."""
+        from hyperpodrun.agent.layout import LayoutRecords, free_ranks
+        layouts = LayoutRecords(members.records)
+        events: list[Posted] = []
+        for n in free_ranks(nodes, self.nnodes):
+            join = layouts.join_request(n)
+            if join is not None and (n, join.incarnation) not in told and members.holder(n) == join.incarnation:
+                told.add((n, join.incarnation))
+                events.append(("node_joining", (n, join)))
+        return events
 
 
 class LossNews:

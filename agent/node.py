@@ -83,11 +83,17 @@ class Node:
         """Spawn the workers of the job's current generation (or wait for its store). A replacement of a lost
         node joins the generation the survivors moved to."""
         gen = self.coord.generation()
-        loss = self.rdzv.replacing
+        loss, admitted = self.rdzv.replacing, self.rdzv.admitted
         if loss is not None:
             gen = max(gen, loss.generation)
             self.events.emit("replacing", f"this agent takes over node {loss.node} (declared lost by node "
                              f"{loss.by_node}: {loss.why}) and joins generation {gen}", node=loss.node, generation=gen)
+        elif admitted is not None:
+            gen = max(gen, admitted.generation)
+            self.events.emit("admitted", f"this agent joins the job as node {self.rdzv.node_rank} in generation "
+                             f"{gen}: ranks {self.rdzv.rank_offset}..{self.rdzv.rank_offset + self.cfg.nproc_per_node - 1}"
+                             f" of {self.rdzv.world_size} (was {admitted.previous_world_size})",
+                             node=self.rdzv.node_rank, generation=gen, world_size=self.rdzv.world_size)
         self.enter_generation(gen)
 
     def on_signal(self, signum: int) -> None:
@@ -125,6 +131,9 @@ class Node:
             self._on_node_joined(*value)
         elif kind == "fenced":
             self._on_fenced(str(value))
+        elif kind == "node_joining":
+            if self.inproc is not None and self.cfg.elastic:
+                self.inproc.want_join(*value)
         elif kind == "spare":
             self.events.emit("spare_waiting", f"hot spare {value[0]} on {value[1]} is waiting (not in the world "
                              "size); it takes over the next node that is lost", incarnation=value[0], spare_host=value[1])
@@ -172,6 +181,13 @@ class Node:
                          f"another agent (incarnation {holder}) has taken its place; stopping this node's workers "
                          f"and exiting with code {EXIT_FENCED}", level=logging.ERROR, exit_code=EXIT_FENCED)
         self.begin_stop(StopPlan.exit(EXIT_FENCED), signal.SIGKILL)
+
+    def leave(self, code: int, message: str) -> None:
+        """This node is no longer part of the job (an elastic job went on without it): stop its workers, exit."""
+        if self.state.exiting:
+            return
+        self.events.emit("left_job", message, level=logging.ERROR, exit_code=code)
+        self.begin_stop(StopPlan.exit(code), signal.SIGKILL)
 
     def _on_store_lost(self, why: str) -> None:
         """The coordination store cannot be reached (its host is gone). Every local worker may have succeeded,
@@ -337,7 +353,8 @@ class Node:
         if port is None:
             self.state.await_store(gen)
             return False
-        self.launcher.spawn_all(gen, port)
+        joining = self.rdzv.replacing is not None or self.rdzv.admitted is not None
+        self.launcher.spawn_all(gen, port, warm=joining)   # a spare's warm spawner has imported torch
         self.state.workers_started(gen)
         if self.inproc is not None and gen > 0 and self.inproc.ever_hello:
             self.inproc.reset_after_process_restart(gen)
@@ -346,6 +363,10 @@ class Node:
             self.inproc.reset_after_process_restart(gen, FailureInfo(
                 host=f"node {loss.node}", node=loss.node, cause="node lost", remote=True, secondary=True,
                 summary=f"node {loss.node} lost ({loss.why}); this agent replaces it"))
+        elif self.inproc is not None and gen > 0 and self.rdzv.admitted is not None:
+            self.inproc.reset_after_process_restart(gen, FailureInfo(
+                host=self.host, node=self.rdzv.node_rank, cause="node joins", remote=True,
+                summary=f"node {self.rdzv.node_rank} joins the job"))
         return True
 
     # ------------------------------------------------------------------ the end

@@ -12,12 +12,12 @@ nothing but the configuration and the worker record.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 from hyperpodrun import netaddr, protocol as P
-from hyperpodrun.agent.store_schema import FailureInfo, NodeLoss
+from hyperpodrun.agent.store_schema import FailureInfo, Layout, NodeLoss
 from hyperpodrun.agent.supervisor import WorkerProcess
 from hyperpodrun.config import LaunchConfig
 
@@ -100,7 +100,10 @@ class WorkerStoreHost(Protocol):
 # ------------------------------------------------------------------ rendezvous
 @dataclass
 class RendezvousInfo:
-    """The outcome of a rendezvous: who this node is and how to reach the shared pieces."""
+    """The outcome of a rendezvous: who this node is and how to reach the shared pieces.
+
+    nnodes, rank_offset, world_size and nodes describe the job's current layout: they change (`adopt`) when
+    an elastic job shrinks or grows (agent/layout.py); the rest is fixed for the agent's life."""
 
     node_rank: int
     nnodes: int
@@ -117,6 +120,39 @@ class RendezvousInfo:
     secret_warning: str = ""                # set when the secret was agreed through the store (one warning)
     incarnation: str = ""                   # this agent's token as holder of its node rank (agent/membership.py)
     replacing: Optional[NodeLoss] = None     # set when this agent took over a lost node's rank
+    counts: dict[int, int] = field(default_factory=dict)   # node rank -> its workers, every node of the job now
+    admitted: Optional[Layout] = None        # set when this agent joined an elastic job as a new node
+    previous_world_size: Optional[int] = None   # the world size before the newest layout change
+    layout_generation: int = -1              # the generation of the layout this agent started on (-1: as formed)
+
+    def __post_init__(self) -> None:
+        if not self.counts:   # a fixed-size job of equal nodes (a test's or the single node's)
+            self.counts = {n: self.world_size // max(1, self.nnodes) for n in range(self.nnodes)}
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The node ranks of the job now, in order."""
+        return tuple(sorted(self.counts))
+
+    @property
+    def group_rank(self) -> int:
+        """This node's place among the job's nodes now (the workers' GROUP_RANK)."""
+        return self.nodes.index(self.node_rank) if self.node_rank in self.counts else self.node_rank
+
+    def layout(self, generation: int) -> Layout:
+        """The current layout as a record, from `generation` on."""
+        return Layout(generation=generation, nodes=dict(self.counts), previous_world_size=self.previous_world_size)
+
+    def adopt(self, layout: Layout) -> None:
+        """Run as `layout` says from now on (an elastic job shrank or grew: agent/layout.py)."""
+        if layout.nodes == self.counts:
+            return
+        self.previous_world_size = self.world_size
+        self.counts = dict(layout.nodes)
+        self.nnodes = len(self.counts)
+        self.world_size = layout.world_size
+        if self.node_rank in layout.nodes:
+            self.rank_offset = layout.offset(self.node_rank)
 
 
 class Rendezvous(Protocol):
@@ -161,21 +197,27 @@ class Coordination(Protocol):
 
     def mark_ready(self, generation: int, on: bool = True) -> None: ...
 
-    def ready_count(self, generation: int) -> int: ...
+    def ready_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int: ...
 
     def mark_inprocess_done(self, generation: int) -> None: ...
 
-    def inprocess_done_count(self, generation: int) -> int: ...
+    def inprocess_done_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int: ...
 
     def mark_done(self, generation: int) -> None: ...
 
-    def done_count(self, generation: int) -> int: ...
+    def done_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int: ...
 
     def mark_left(self) -> None: ...
 
-    def left_count(self) -> int: ...
+    def left_count(self, nodes: Optional[Sequence[int]] = None) -> int: ...
 
     def declare_lost(self, loss: NodeLoss) -> NodeLoss: ...
+
+    def drop_lost(self, node: int, incarnation: str) -> bool: ...
+
+    def set_layout(self, layout: Layout) -> Layout: ...
+
+    def layout_for_round(self, target: int) -> Optional[Layout]: ...
 
 
 # ------------------------------------------------------------------ workers
@@ -219,7 +261,7 @@ class Launcher(Protocol):
 
     def spawn(self, local_rank: int, generation: int, store_port: int, warm: bool = False) -> WorkerProcess: ...
 
-    def spawn_all(self, generation: int, store_port: int) -> None: ...
+    def spawn_all(self, generation: int, store_port: int, warm: bool = False) -> None: ...
 
     def error_file(self, proc: WorkerProcess) -> Optional[str]: ...
 
@@ -230,6 +272,8 @@ class Launcher(Protocol):
     def start_warm_spawner(self) -> None: ...
 
     def end_warm_spawner(self) -> None: ...
+
+    def leave(self, code: int, message: str) -> None: ...
 
 
 # ------------------------------------------------------------------ what the policies may ask of the node

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from hyperpodrun import protocol as P
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.store_schema import FailureInfo, Layout
 
 
 #: a SIGABRT exit, as Popen and as a shell report it
@@ -80,6 +80,10 @@ class Round:
     folded: int = 0
     #: lost nodes whose replacement the round waits for: node rank -> the lost incarnation
     awaiting: dict[int, str] = field(default_factory=dict)
+    #: the elastic layout the round moves to, when the job's nodes change in it (agent/layout.py)
+    layout: Optional[Layout] = None
+    #: not the store host: a lost node was not replaced in time, and the store host decides whether to shrink
+    shrink_wait: bool = False
 
 
 def not_ready(ranks: Mapping[int, RankState], workers: Mapping[int, Any], target: int,

@@ -30,6 +30,7 @@ AUTH = "auth"                          # how the job secret was settled: "user:<
 RDZV_COUNTER = "rdzv/counter"          # c10d: node ranks in join order (atomic add)
 RDZV_JOINED = "rdzv/joined"            # how many agents have joined (atomic add)
 RDZV_READY = "rdzv/ready"              # set by the last agent to join
+RDZV_SIZE = "rdzv/size"                # elastic c10d: how many nodes the job formed with (first claim wins)
 
 
 def rdzv_claim(node_rank: int) -> str:
@@ -91,6 +92,25 @@ SPARES = "member/spares"               # a JSON list of the hot spares waiting: 
 def node_lost(node_rank: int, incarnation: str) -> str:
     """A NodeLoss: incarnation `incarnation` of node `node_rank` was declared lost (first claim wins)."""
     return f"member/{node_rank}/lost/{incarnation}"
+
+
+def node_dropped(incarnation: str) -> str:
+    """The holder record of a lost node rank the job shrank without (elastic): no replacement takes it over."""
+    return f"dropped:{incarnation}"
+
+
+# ------------------------------------------------------------------ elastic layouts (signed; agent/layout.py)
+LAYOUT = "layout"                      # the newest Layout (what a replacement or a newcomer joins)
+
+
+def layout(generation: int) -> str:
+    """The Layout the job runs from `generation` on, when its nodes changed there (the store host writes it)."""
+    return f"layout/{generation}"
+
+
+def node_join(node_rank: int) -> str:
+    """An elastic newcomer holding the free node rank `node_rank` asks to be admitted (a NodeJoin)."""
+    return f"member/{node_rank}/join"
 
 
 # ------------------------------------------------------------------ the end of the job (signed)
@@ -192,3 +212,37 @@ class NodeLoss(BaseModel):
     by_node: int
     why: str
     wall_time: float
+
+
+class Layout(BaseModel):
+    """Which node ranks run the job from `generation` on, and how many workers each: global ranks are handed
+    out node by node in node-rank order, so the world size and every node's first rank follow from it.
+    `previous_world_size`: the world size before this layout (the workers' `caller` tells them it changed)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    generation: int
+    nodes: dict[int, int]
+    previous_world_size: Optional[int] = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.nodes.values())
+
+    def offset(self, node: int) -> int:
+        """The first global rank of node rank `node` (which must be in the layout)."""
+        return sum(n for k, n in self.nodes.items() if k < node)
+
+    def index(self, node: int) -> int:
+        """Node rank `node`'s place among the layout's nodes (the workers' GROUP_RANK)."""
+        return sorted(self.nodes).index(node)
+
+
+class NodeJoin(BaseModel):
+    """An elastic newcomer's request to be admitted: its incarnation, worker count and host."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    incarnation: str
+    nproc: int
+    host: str

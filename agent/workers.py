@@ -33,6 +33,26 @@ def worker_argv(cfg: LaunchConfig) -> list[str]:
     return [sys.executable, "-u", cfg.entrypoint, *cfg.args]
 
 
+def standby_spawner(cfg: LaunchConfig, sup: Supervisor, subreaper: bool) -> Optional[warm_spawner.WarmSpawner]:
+    """A warm spawner started while this agent waits as a hot spare or a replacement, so that its workers are
+    forked with torch imported when it takes over a lost node (None where warm forks cannot be used). It gets
+    no job secret: each forked worker gets its whole environment with the fork request."""
+    if not (subreaper and warm_spawner.enabled() and not cfg.module and not cfg.no_python):
+        return None
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    try:
+        spawner = warm_spawner.WarmSpawner(env, worker_argv(cfg)[2], None)
+    except OSError as exc:
+        log.info("no warm start for a hot spare: the warm spawner did not start (%s)", exc)
+        return None
+    sup.track_extra(spawner.pid)
+    sup.reaper.add(spawner.pid)
+    log.info("hot spare: importing torch ahead (warm spawner pid %d)", spawner.pid)
+    return spawner
+
+
 class WorkerLauncher:
     """Spawns this node's workers for a generation and wires their logs (the Launcher port). The processes
     come from its worker sources: the fast ones first for a respawn (warm fork), else a cold spawn."""
@@ -40,7 +60,8 @@ class WorkerLauncher:
     def __init__(self, cfg: LaunchConfig, rdzv: RendezvousInfo, run_dir: str, host: str, sup: Supervisor, tee: Tee,
                  events: Events, control: Optional[str] = None,
                  on_spawn: Optional[Callable[[int, int], None]] = None,
-                 env_for: Optional[Callable[[int], dict[str, str]]] = None, subreaper: bool = False) -> None:
+                 env_for: Optional[Callable[[int], dict[str, str]]] = None, subreaper: bool = False,
+                 standby: Optional[warm_spawner.WarmSpawner] = None) -> None:
         self.cfg = cfg
         self.rdzv = rdzv
         self.run_dir = run_dir
@@ -56,6 +77,8 @@ class WorkerLauncher:
         self.cold = ColdSpawn(sup)
         self.warm = WarmFork(sup, events, self.base_env, self.argv, os.path.join(run_dir, "warm_spawner.log"),
                              usable=subreaper and warm_spawner.enabled() and not cfg.module and not cfg.no_python)
+        if standby is not None:        # started while this agent waited as a hot spare: its imports are done
+            self.warm.spawner = standby
         self.fast: list[WorkerSource] = [self.warm]   # tried first for a respawn
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
         self._streams: dict[int, list[int]] = {}   # pid -> its tee streams (pipes)
@@ -77,7 +100,7 @@ class WorkerLauncher:
     def identity(self, local_rank: int) -> WorkerIdentity:
         return WorkerIdentity(local_rank=local_rank, rank=self.rdzv.rank_offset + local_rank,
                               world_size=self.rdzv.world_size, local_world_size=self.cfg.nproc_per_node,
-                              group_rank=self.rdzv.node_rank, group_world_size=self.rdzv.nnodes, role=self.cfg.role)
+                              group_rank=self.rdzv.group_rank, group_world_size=self.rdzv.nnodes, role=self.cfg.role)
 
     def _modes(self, local_rank: int) -> tuple[int, int]:
         """(to file, to console with prefix) bit masks of STD_OUT/STD_ERR for a local rank."""
@@ -165,9 +188,11 @@ class WorkerLauncher:
     def stop_warm_spawner(self) -> None:
         self.warm.stop()
 
-    def spawn_all(self, generation: int, store_port: int) -> None:
+    def spawn_all(self, generation: int, store_port: int, warm: bool = False) -> None:
+        """Start every local rank for `generation`; `warm`: fork them from the warm spawner when it is ready (a
+        hot spare's, which imported torch while it waited)."""
         for lr in range(self.cfg.nproc_per_node):
-            self.spawn(lr, generation, store_port)
+            self.spawn(lr, generation, store_port, warm=warm)
         self.events.emit("workers_started", f"generation {generation}: started {self.cfg.nproc_per_node} workers "
                          f"(store {self.rdzv.master_addr}:{store_port})", generation=generation)
 

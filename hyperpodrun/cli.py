@@ -20,7 +20,6 @@ SUBCOMMANDS = ("logs", "inject")
 
 EPILOG = "\b\nRefused torchrun flags and values (exit 2, one line):\n" + "\n".join(
     f"  {flag}: {why}" for flag, why in UNSUPPORTED.values()) + """
-  --nnodes MIN:MAX with MIN < MAX: elastic jobs are not supported yet
   --rdzv-backend other than static, c10d (etcd, etcd-v2): not supported yet
   --event-log-handler other than null, console: hyperpodrun writes its own event log
 Accepted with no effect: --start-method, --event-log-handler null|console.
@@ -84,7 +83,8 @@ OFF = "off"
 @click.command(cls=_LaunchCommand, epilog=EPILOG,
                context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"],
                                  "max_content_width": 110, "show_default": True})
-@topt("--nnodes", default="1:1", help="Number of nodes, N or N:N (elastic MIN<MAX is not supported yet).")
+@topt("--nnodes", default="1:1", help="Number of nodes, N, or MIN:MAX for an elastic job (c10d rendezvous; shrinks and grows with "
+                                                "--inprocess-restart).")
 @topt("--nproc-per-node", default="1", help="Workers per node: a number, auto, gpu or cpu.")
 @topt("--rdzv-backend", default="static", help="static or c10d.")
 @topt("--rdzv-endpoint", default="", show_default="none", help="HOST:PORT of the c10d rendezvous (one of the nodes).")

@@ -41,6 +41,8 @@ MIN_INTERVAL_S = 0.001
 MAX_INTERVAL_S = 3600.0
 #: --rdzv-conf join_timeout when not given
 DEFAULT_JOIN_TIMEOUT_S = 600.0
+#: --rdzv-conf last_call_timeout when not given (torchrun's)
+DEFAULT_LAST_CALL_S = 30.0
 #: --node-timeout: a node whose agent has not renewed its lease for this long is lost (agent/membership.py)
 DEFAULT_NODE_TIMEOUT_S = 5.0
 MIN_NODE_TIMEOUT_S = 0.5
@@ -129,15 +131,28 @@ def _join_timeout(conf: dict[str, str]) -> float:
     return value
 
 
+def _last_call_timeout(conf: dict[str, str]) -> float:
+    """`--rdzv-conf last_call_timeout=S`: how long an elastic job that has MIN nodes waits for more (torchrun's
+    meaning; default 30 s)."""
+    text = conf.get("last_call_timeout")
+    if text is None:
+        return DEFAULT_LAST_CALL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_TIMEOUT_S:
+        raise ConfigError(f"--rdzv-conf last_call_timeout={text}: must be seconds from 0 to {MAX_TIMEOUT_S:g} "
+                          "(e.g. --rdzv-conf last_call_timeout=30)")
+    return value
+
+
 def _derive_topology(flags: dict[str, Any]) -> None:
     """torchrun's --nnodes, --standalone, --rdzv-backend/-endpoint/-conf, --master-addr/-port, --node-rank ->
     the fields nnodes, rdzv_backend, rdzv_host, rdzv_port, join_timeout, node_rank, master_addr and
     single_node (in place)."""
     nnodes_text = flags.pop("nnodes", "1:1")
     lo, hi = parse_nnodes(nnodes_text)
-    if lo != hi:
-        raise ConfigError(f"--nnodes {nnodes_text}: elastic ranges (MIN < MAX) are not supported yet; "
-                          f"use a fixed size such as --nnodes {hi}")
     nnodes = hi
     backend = (flags.pop("rdzv_backend", None) or "static").strip()
     endpoint = (flags.pop("rdzv_endpoint", None) or "").strip()
@@ -151,6 +166,10 @@ def _derive_topology(flags: dict[str, Any]) -> None:
     if backend not in ("static", "c10d"):
         raise ConfigError(f"--rdzv-backend {backend!r} is not supported yet; use static or c10d")
 
+    if lo != hi and backend != "c10d":
+        raise ConfigError(f"--nnodes {nnodes_text}: an elastic range needs the c10d rendezvous (node ranks are "
+                          "handed out as agents join); add --rdzv-backend c10d --rdzv-endpoint HOST:PORT, or "
+                          f"give a fixed size such as --nnodes {hi}")
     rdzv_host, rdzv_port = "localhost", 0
     single = nnodes == 1
     master_addr = given_addr or ("127.0.0.1" if not single else "localhost")
@@ -181,7 +200,8 @@ def _derive_topology(flags: dict[str, Any]) -> None:
         else:
             master_addr = own_address(flags.get("local_addr"))
     flags.update(nnodes=nnodes, rdzv_backend=backend, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
-                 join_timeout=_join_timeout(conf), node_rank=node_rank, master_addr=master_addr, single_node=single)
+                 join_timeout=_join_timeout(conf), node_rank=node_rank, master_addr=master_addr, single_node=single,
+                 min_nodes=lo, last_call_timeout=_last_call_timeout(conf))
 
 
 class LaunchConfig(BaseModel):
@@ -197,7 +217,9 @@ class LaunchConfig(BaseModel):
     run_path: bool = False
 
     # topology
-    nnodes: int = Field(1, ge=1, le=MAX_NNODES)
+    nnodes: int = Field(1, ge=1, le=MAX_NNODES)          # the most nodes (MAX of --nnodes MIN:MAX)
+    min_nodes: Optional[int] = Field(None, ge=1, le=MAX_NNODES)   # MIN of --nnodes MIN:MAX (None: = nnodes)
+    last_call_timeout: float = Field(30.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     nproc_per_node: int = Field(1, ge=1, le=MAX_NPROC_PER_NODE)
     node_rank: Optional[int] = Field(0, ge=0, lt=MAX_NNODES)
     rdzv_backend: Literal["static", "c10d"] = "static"
@@ -357,6 +379,16 @@ class LaunchConfig(BaseModel):
         if self.health_check == "nvml":
             host_checks.check_nvml()
         return self
+
+    @property
+    def min_nnodes(self) -> int:
+        """The fewest nodes the job runs on (MIN of --nnodes MIN:MAX; the fixed size otherwise)."""
+        return min(self.min_nodes or self.nnodes, self.nnodes)
+
+    @property
+    def elastic(self) -> bool:
+        """--nnodes MIN:MAX with MIN < MAX: the job forms, shrinks and grows between the two."""
+        return self.min_nnodes < self.nnodes
 
     def console_ranks(self) -> set[int]:
         """Local ranks whose output is shown on the console."""

@@ -99,10 +99,18 @@ class Restart(_Msg):
 
 
 class Go(_Msg):
+    """Every rank is READY: run `generation` with its store. An elastic job that shrank or grew gives each
+    rank its new place (rank, world_size, group_rank, group_world_size) and the world size before."""
+
     type: Literal["go"] = "go"
     generation: int
     master_addr: str
     master_port: int
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    group_rank: Optional[int] = None
+    group_world_size: Optional[int] = None
+    previous_world_size: Optional[int] = None
 
 
 class Shutdown(_Msg):

@@ -204,7 +204,7 @@ def test_help_shows_defaults_and_refused_flags(launcher):
     from hyperpodrun.cli import UNSUPPORTED
     for flag, why in UNSUPPORTED.values():
         assert flag in refused and why in refused, flag
-    for text in ("--nnodes MIN:MAX", "--rdzv-backend other than static, c10d", "--event-log-handler"):
+    for text in ("--rdzv-backend other than static, c10d", "--event-log-handler"):
         assert text in refused, text
 
 

@@ -59,6 +59,11 @@ class Cluster:
         except (OSError, ValueError, IndexError):
             return -1
 
+    def resources(self, rank: int) -> tuple[int, int, int]:
+        """(generation, threads, open descriptors) of the rank's process at its last progress report."""
+        _, gen, _, threads, fds = (self.out / f"progress.rank{rank}").read_text().split()
+        return int(gen), int(threads), int(fds)
+
     def wait_step(self, step: int, ranks=range(4), timeout: float = 90) -> None:
         def reached() -> bool:
             if not all(n.alive() for n in self.nodes):
@@ -114,6 +119,7 @@ def test_node_killed_whole_and_started_again(launcher, tmp_path, reference, back
         wait_until(lambda: "node 0 waiting" in node0.proc.err(), 60, message="node 0 joined")
     node1 = job.start(1)
     job.wait_step(KILL_AT)
+    before = {r: job.resources(r) for r in (0, 1)}
     node1.kill()
     assert node1.wait(30) != 0
     replacement = job.start(1, label="replacement")
@@ -121,6 +127,10 @@ def test_node_killed_whole_and_started_again(launcher, tmp_path, reference, back
     info = job.describe()
     assert codes == [0, 0], info
     assert_survivors_kept_processes(job)
+    for rank in (0, 1):   # no leak in the survivors: the same threads and descriptors in the new generation
+        (g0, t0, f0), (g1, t1, f1) = before[rank], job.resources(rank)
+        assert (g0, g1) == (0, 1) and t1 <= t0 and f1 <= f0, \
+            f"rank {rank}: threads {t0} -> {t1}, fds {f0} -> {f1} across the node loss\n{info}"
     lost = node0.events("node_lost")
     assert lost and lost[0]["node"] == 1 and "declared lost" in lost[0]["msg"], info
     go = node0.events("go")

@@ -133,7 +133,7 @@ def test_peer_copy_keeps_only_its_source_rank_within_bounds_as_private_files(tmp
     refused and leave nothing behind."""
     key = auth.derive(b"the-job-secret-0123456789", "worker")
     rx, base, addr = _receiver(tmp_path, key)
-    own = base / "rank2"
+    own = Path(rx.own_dir)                                        # CheckpointManager's slots of this process
     own.mkdir(mode=0o700)
     (own / "slot0").write_bytes(b"\1" * 4096)                     # this rank's own snapshot: 4 KiB
 
@@ -161,7 +161,7 @@ def test_peer_copy_keeps_only_its_source_rank_within_bounds_as_private_files(tmp
     assert _send(s, session, 0, src=0, step=2, data=b"D" * 100, bad_mac=True) != b"\1"
     s.close()
     wait_until(lambda: rx._refusals >= 3, 10, message="three copies refused")
-    assert _files_under(base) == ["peer-of-rank0/slot1", "rank2/slot0"]
+    assert _files_under(base) == sorted(["peer-of-rank0/slot1", f"{own.name}/slot0"])
 
 
 # ------------------------------------------------------------------------------------------ signed records

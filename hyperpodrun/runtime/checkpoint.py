@@ -138,6 +138,7 @@ class CheckpointManager:
             self._ensure_dir()          # the receiver keeps copies under the run directory
             if self._peers is None:
                 self._peers = PeerCopies(os.path.dirname(self.slot_dir()), self.rank)
+            self._peers.rank = self.rank      # an elastic job renumbers the ranks
             self._peers.serve(caller.store, os.environ.get("MASTER_ADDR", "127.0.0.1"))
             self._peers.connect(caller.store, peer)
 
@@ -145,10 +146,11 @@ class CheckpointManager:
     def rank(self) -> int:
         return int(os.environ.get("RANK", 0))
 
-    def slot_dir(self, rank: Optional[int] = None) -> str:
-        """This run's slot directory of `rank` (default: this rank) on this node."""
+    def slot_dir(self) -> str:
+        """This process's slot directory on this node: named by its local rank, which - unlike its global rank,
+        which an elastic job renumbers - stays the same for every process that runs this rank on this node."""
         return os.path.join(shm_runs.checkpoint_base(self.shm_dir), shm_runs.run_dir_name(),
-                            f"rank{self.rank if rank is None else rank}")
+                            f"local{os.environ.get('LOCAL_RANK', '0')}")
 
     def _ensure_dir(self) -> str:
         """Create (or join) the run directory and this rank's slot directory, ours alone (safe_fs); the
@@ -300,6 +302,8 @@ class CheckpointManager:
         import torch.distributed as dist
         _check_state(state, "restore")
         self.wait()
+        if getattr(self._caller, "world_size_changed", False):
+            return self._restore_resized(state)
         shm = find_snapshots(self._ensure_dir())
         disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
@@ -342,6 +346,66 @@ class CheckpointManager:
                                           step=step, lost_steps=plan.lost_steps, source=plan.source))
         log.info("restored step %d from %s (%d step(s) lost)", step, plan.source, plan.lost_steps)
         return step
+
+    def _restore_resized(self, state: Mapping[str, Any]) -> Optional[int]:
+        """Restore after an elastic job shrank or grew: every rank takes the newest step any rank holds in
+        memory - its own, or a replica's. Only state that every rank holds whole (DDP) can be restored at
+        another world size; sharded state (FSDP, ZeRO, explicit replica groups) is refused (StateLostError)."""
+        import torch.distributed as dist
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        prev = getattr(self._caller, "previous_world_size", None)
+        shm = find_snapshots(self._ensure_dir())
+        everyone = gather({"shm": sorted(shm), "disk": [], "latest": self.last_saved, "copies": {},
+                           "never_committed": False})
+        steps = set().union(*(set(e["shm"]) for e in everyone))
+        if not steps:
+            return None
+        groups = replicas.derived_groups(state, world) if world > 1 else [[0]]
+        if self.replica_groups is not None or self.num_instances is not None or groups is None or \
+                sorted(groups[0]) != list(range(world)):
+            raise StateLostError(
+                f"rank {self.rank}: the job's world size changed from {prev} to {world} (an elastic job shrank or "
+                "grew), and CheckpointManager restores at another world size only state that every rank holds "
+                "whole (DDP over all ranks); this state is sharded or has explicit replica groups. Run the job at "
+                "a fixed size (--nnodes N), or re-shard it yourself when caller.world_size_changed (e.g. with "
+                "torch.distributed.checkpoint)")
+        step = max(steps)
+        holds = [set(e["shm"]) for e in everyone]
+        pairs = replicas.plan_transfers([list(range(world))], holds, step)
+        data: Any = None
+        if pairs:
+            received = replicas.transfer(pairs, self.rank, lambda receiver, kind: bytes(map_private(shm[step])))
+            if received is not None:
+                data = bytearray(received)
+        if data is None:
+            data = map_private(shm[step])
+        try:
+            _, payload = io.decode(data, f"snapshot of step {step}", verify=pairs != [] and step not in shm,
+                                   copy=False)
+        except SnapshotCorrupt as exc:
+            raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of the state at step {step}") from exc
+        self._load(payload, state)
+        for other in [s for s in shm if s != step]:   # the old world's snapshots must not be restored later
+            self._drop_slot(os.path.join(self._ensure_dir(), f"slot{other % 2}"))
+        self.last_saved = None
+        self.save(step, state)       # this rank's snapshot at the new world size (its own slot again)
+        self.wait()
+        latest = max((e["latest"] for e in everyone if e["latest"] is not None), default=step)
+        if self._session is not None and self.rank == 0:
+            from hyperpodrun import protocol as P
+            self._session.send(P.Restored(rank=self.rank, pid=os.getpid(), generation=self._caller.iteration,
+                                          step=step, lost_steps=max(0, latest - step), source="resized"))
+        log.info("restored step %d at world size %d (was %s)", step, world, prev)
+        return step
+
+    def _drop_slot(self, path: str) -> None:
+        stale = self._files.pop(path, None)
+        if stale is not None:
+            stale.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     def _keep(self, step: int, blob: bytes) -> None:
         """Store a snapshot received from a peer as this rank's own slot, so it is held in memory again."""

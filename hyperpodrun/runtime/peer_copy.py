@@ -72,6 +72,7 @@ class PeerCopies:
     def __init__(self, base_dir: str, rank: int, world: Optional[int] = None, local_world: Optional[int] = None,
                  key: Optional[bytes] = None, run_id: Optional[str] = None) -> None:
         self.base_dir, self.rank = base_dir, rank
+        self.own_dir = os.path.join(base_dir, f"local{os.environ.get('LOCAL_RANK', '0')}")   # CheckpointManager's
         world = world if world is not None else int(os.environ.get("WORLD_SIZE", 1))
         local_world = local_world if local_world is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.source = source_of(rank, world, local_world)
@@ -193,7 +194,7 @@ class PeerCopies:
         own = 0
         for name in ("slot0", "slot1"):
             try:
-                own = max(own, os.lstat(os.path.join(self.base_dir, f"rank{self.rank}", name)).st_size)
+                own = max(own, os.lstat(os.path.join(self.own_dir, name)).st_size)
             except OSError:
                 pass
         free = _free_bytes(self.base_dir)

@@ -57,6 +57,11 @@ class Session:
         self.client.start(P.Hello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
                                   generation=self.generation, **self.device))
 
+    def move_to(self, rank: int) -> None:
+        """This process's global rank changed (an elastic job shrank or grew): say so in every message from now."""
+        self.rank = rank
+        self.client.rank = rank
+
     @classmethod
     def get(cls) -> "Session":
         """This process's session (a forked child gets its own)."""

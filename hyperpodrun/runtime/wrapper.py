@@ -88,9 +88,13 @@ def wait_rank(timeout: float = 600.0) -> RankInfo:
 class CallWrapper:
     """The `caller` argument of a wrapped function: where this call sits in the job's restart history."""
 
-    def __init__(self, iteration: int, restart_reason: str = "", session: Optional[Session] = None) -> None:
+    def __init__(self, iteration: int, restart_reason: str = "", session: Optional[Session] = None,
+                 previous_world_size: Optional[int] = None) -> None:
         self.iteration = iteration
         self.restart_reason = restart_reason
+        #: the world size of the call before this one (None on the first): an elastic job shrank or grew
+        #: when it differs from `world_size` - re-shard the data (CheckpointManager restores DDP state as is)
+        self.previous_world_size = previous_world_size
         self.step: Optional[int] = None
         self._session = session
         self._store: Any = None
@@ -102,6 +106,12 @@ class CallWrapper:
     @property
     def world_size(self) -> int:
         return int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def world_size_changed(self) -> bool:
+        """True when this call runs at another world size than the one before it (an elastic job shrank or
+        grew, `hyperpodrun --nnodes MIN:MAX`): ranks and the data each rank reads must be re-derived."""
+        return self.previous_world_size is not None and self.previous_world_size != self.world_size
 
     def progress(self, step: int) -> None:
         """Mark progress (e.g. the index of the step about to run); heartbeats carry it to the agent."""
@@ -169,11 +179,17 @@ class HPWrapper:
         sess = Session.get()
         gen = sess.generation
         need_go = gen > 0
+        world: Optional[int] = None       # the world size of the previous call in this process
         while True:
+            previous = world
             if need_go:
                 gen = self._ready_and_go(sess, gen)
+                go = sess.go.get(gen)
+                if go is not None and go.previous_world_size is not None:
+                    previous = go.previous_world_size   # the job's nodes changed in this round (elastic)
             need_go = True
-            caller = CallWrapper(gen, sess.reason, sess)
+            world = int(os.environ.get("WORLD_SIZE", 1))
+            caller = CallWrapper(gen, sess.reason, sess, previous_world_size=previous)
             if self.checkpoint_manager is not None and callable(getattr(self.checkpoint_manager, "attach", None)):
                 self.checkpoint_manager.attach(caller, sess)
             sess.state = "running"
@@ -297,4 +313,13 @@ class HPWrapper:
                 go = sess.go[gen]
                 os.environ.update({"MASTER_ADDR": go.master_addr, "MASTER_PORT": str(go.master_port),
                                    "TORCHELASTIC_RESTART_COUNT": str(gen), E.HYPERPODRUN_GENERATION: str(gen)})
+                if go.rank is not None and go.world_size is not None:   # an elastic job shrank or grew
+                    sess.move_to(go.rank)
+                    os.environ.update({"RANK": str(go.rank), "ROLE_RANK": str(go.rank),
+                                       "WORLD_SIZE": str(go.world_size), "ROLE_WORLD_SIZE": str(go.world_size)})
+                    if go.group_rank is not None and go.group_world_size is not None:
+                        os.environ.update({"GROUP_RANK": str(go.group_rank), E.HYPERPODRUN_NODE_RANK:
+                                           str(go.group_rank), "GROUP_WORLD_SIZE": str(go.group_world_size)})
+                    log.info("rank %d of %d from generation %d (the job's nodes changed; was %s ranks)", go.rank,
+                             go.world_size, gen, go.previous_world_size)
                 return gen

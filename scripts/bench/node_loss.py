@@ -10,9 +10,13 @@ run in one invocation:
                started again
   torchrun     torchrun --nnodes 2:2 c10d --max-restarts 3; node 1's command started again 1 s after the
                kill; the worker saves a torch.save checkpoint every 10 steps and reloads it
+  hpr-shrink   hyperpodrun --nnodes 1:2 c10d --inprocess-restart --replace-timeout 2: nothing replaces node 1;
+               node 0 goes on alone (DDP, state from memory at the new world size)
+  torchrun-shrink  torchrun --nnodes 1:2 c10d --max-restarts 3 (last_call_timeout 1): nothing replaces node 1;
+               node 0's agent restarts its workers at world size 2 from the torch.save checkpoint
 
 Measured (wall clock, one machine): kill -> every rank completed its first step after the recovery
-("recovery"), and the steps redone (last step completed before the kill minus the step training resumed
+("recovery"; in the shrink scenarios the ranks of node 0), and the steps redone (last step completed before the kill minus the step training resumed
 from). hyperpodrun's recovery is broken into phases from the event logs: detected (first fault or node_lost
 on node 0), declared lost, replacement joined (its "replacing" event), state restored, first step.
 
@@ -132,26 +136,32 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
     out = tmp / "out"
     out.mkdir()
     port = free_port()
-    env = dict(os.environ, OUT_DIR=str(out), UNDER="torchrun" if scenario == "torchrun" else "hyperpodrun",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    torchrun = scenario.startswith("torchrun")
+    shrink = scenario.endswith("shrink")
+    env = dict(os.environ, OUT_DIR=str(out), UNDER="torchrun" if torchrun else "hyperpodrun",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", DDP="1" if shrink else "0")
     run_id = f"nl{port}"
 
     def cmd(node_rank: int) -> list[str]:
-        if scenario == "torchrun":
-            return [str(BIN / "torchrun"), "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "3",
+        if torchrun:
+            return [str(BIN / "torchrun"), "--nnodes", "1:2" if shrink else "2:2", "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                    "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3",
                     "--monitor-interval", "0.1", "--local-addr", "127.0.0.1", str(WORKER)]
         log_dir = str(tmp / f"logs{node_rank}-{time.monotonic_ns()}")
         if scenario == "hpr-replace":
             where = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
                      "--master-port", str(port)]
+        elif shrink:
+            where = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
         else:
             where = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-        return [str(BIN / "hyperpodrun"), "--log-dir", log_dir, *where, *HPR, "--rdzv-id", run_id, str(WORKER)]
+        hpr = [*HPR[:-1], "2"] if shrink else HPR    # --replace-timeout 2: how long the job waits for node 1
+        return [str(BIN / "hyperpodrun"), "--log-dir", log_dir, *where, *hpr, "--rdzv-id", run_id, str(WORKER)]
 
     node0 = Node(cmd(0), env, tmp / "node0.log")
     if scenario != "hpr-replace":   # c10d: the first agent to bind the endpoint hosts the store - node 0
-        wait_listening(port) if scenario == "torchrun" else wait_output(node0, "node 0 waiting")
+        wait_listening(port) if torchrun else wait_output(node0, "node 0 waiting")
     node1 = Node(cmd(1), env, tmp / "node1.log")
     nodes = [node0, node1]
     spare = None
@@ -165,25 +175,25 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
     node1.kill()
     node1.wait(30)
     joiner = spare
-    if spare is None:
+    if spare is None and not shrink:
         time.sleep(max(0.0, 1.0 - (time.time() - t_kill)))   # "started again 1 s after the loss"
         joiner = Node(cmd(1), env, tmp / "replacement.log")
-    codes = [node0.wait(300), joiner.wait(300)]
+    codes = [node0.wait(300)] + ([joiner.wait(300)] if joiner is not None else [])
     steps = records(out, "steps")
     entries = records(out, "entries")
     firsts: list[Optional[float]] = []
-    for rank in range(4):   # the first step completed after this rank's training function started again
+    for rank in range(2 if shrink else 4):   # the first step completed after this rank's function started again
         again = [e["t"] for e in entries if e["rank"] == rank and e["t"] > t_kill]
         after = [r["t"] for r in steps if r["rank"] == rank and again and r["t"] > min(again)]
         firsts.append(min(after) if after else None)
     resumed = [e["start"] for e in entries if e["t"] > t_kill]
     last_before = max(r["step"] for r in steps if r["t"] <= t_kill)
-    res: dict[str, Any] = {"scenario": scenario, "exit_codes": codes, "ok": codes == [0, 0] and None not in firsts,
+    res: dict[str, Any] = {"scenario": scenario, "exit_codes": codes, "ok": set(codes) == {0} and None not in firsts,
                            "recovery_s": max(firsts) - t_kill if all(f is not None for f in firsts) else None,  # type: ignore
                            # a step's record is written after its save and a short sleep: a rank may resume one
                            # step past the last record seen before the kill, which is 0 steps redone
                            "steps_redone": max(0, last_before - min(resumed)) if resumed else None}
-    if scenario != "torchrun":
+    if not torchrun:
         ev = []
         for d in tmp.glob("logs*"):
             ev += events(d)
@@ -195,7 +205,7 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
         res["phases_s"] = {
             "detected": (min(detected) - t_kill) if detected else None,
             "declared_lost": (first_ts("node_lost") or t_kill) - t_kill,
-            "joined": (first_ts("replacing") or t_kill) - t_kill,
+            "joined": (first_ts("job_shrunk" if shrink else "replacing") or t_kill) - t_kill,
             "state_restored": (max(restored) - t_kill) if restored else None,
             "first_step": res["recovery_s"],
         }
@@ -205,7 +215,7 @@ def run_one(scenario: str, tmp: Path) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--scenarios", default="hpr-replace,hpr-spare,torchrun")
+    ap.add_argument("--scenarios", default="hpr-replace,hpr-spare,torchrun,hpr-shrink,torchrun-shrink")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if os.geteuid() != 0 or shutil.which("unshare") is None:

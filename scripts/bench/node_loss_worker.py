@@ -3,7 +3,7 @@ hyperpodrun (HPWrapper + CheckpointManager: state in memory and on the other nod
 `torch.save` checkpoint every CKPT_EVERY steps, reloaded after a restart).
 
 Every completed step appends {"rank", "gen", "step", "t"} to OUT_DIR/steps.rank<r>.jsonl (t: wall clock after
-the step); every (re)start of the training function appends {"rank", "gen", "start", "t"} to
+the step); DDP=1 wraps the model in DDP (the elastic scenarios: state restored at another world size); every (re)start of the training function appends {"rank", "gen", "start", "t"} to
 OUT_DIR/entries.rank<r>.jsonl. `gen` is caller.iteration under hyperpodrun and TORCHELASTIC_RESTART_COUNT
 under torchrun.
 """
@@ -22,6 +22,7 @@ STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0.05"))
 CKPT_EVERY = int(os.environ.get("CKPT_EVERY", "10"))
 DIM = int(os.environ.get("DIM", "64"))
 UNDER = os.environ.get("UNDER", "hyperpodrun")
+DDP = os.environ.get("DDP") == "1"       # DDP instead of the hand-written all-reduce (elastic scenarios)
 
 
 def note(kind: str, rank: int, **fields) -> None:
@@ -32,6 +33,8 @@ def note(kind: str, rank: int, **fields) -> None:
 def build():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
+    if DDP:
+        model = nn.parallel.DistributedDataParallel(model)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -42,7 +45,7 @@ def train_steps(model, opt, start: int, rank: int, world: int, gen: int, save) -
         loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True) * 0.1)
         opt.zero_grad()
         loss.backward()
-        for p in model.parameters():
+        for p in model.parameters() if not DDP else ():
             dist.all_reduce(p.grad)
             p.grad.div_(world)
         opt.step()

@@ -135,8 +135,11 @@ def main(caller=None):
         cm.save(step + 1, state)
         if STEP_SLEEP:   # a slower job, so that a test can act while it trains (PROGRESS names the last step)
             time.sleep(STEP_SLEEP)
-            with open(os.path.join(OUT_DIR, f"progress.rank{rank}"), "w") as fh:
-                fh.write(f"{step + 1} {caller.iteration} {os.getpid()}\n")
+            # with the process's threads and open descriptors: a survivor's must stay flat across restarts
+            threads, fds = len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+            with open(os.path.join(OUT_DIR, f"progress.rank{rank}.tmp"), "w") as fh:
+                fh.write(f"{step + 1} {caller.iteration} {os.getpid()} {threads} {fds}\n")
+            os.replace(os.path.join(OUT_DIR, f"progress.rank{rank}.tmp"), os.path.join(OUT_DIR, f"progress.rank{rank}"))
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in net.state_dict().items()}
     if MODE == "zero":

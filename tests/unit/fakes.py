@@ -114,7 +114,7 @@ class FakeLauncher:
             self.on_spawn(local_rank, proc.pid)
         return proc
 
-    def spawn_all(self, generation: int, store_port: int) -> None:
+    def spawn_all(self, generation: int, store_port: int, warm: bool = False) -> None:
         for lr in range(self.nproc):
             self.spawn(lr, generation, store_port)
 

@@ -70,7 +70,7 @@ def test_topology_is_derived_from_torchruns_flags(script: str, tmp_path: Path) -
 BAD = [
     (["--nproc-per-node", "1025"], "--nproc-per-node '1025': must be a whole number of workers per node from 1 to 1024"),
     (["--nproc-per-node", "many"], "--nproc-per-node 'many' is not a number or one of auto, gpu, cpu"),
-    (["--nnodes", "1:2"], "--nnodes 1:2: elastic ranges (MIN < MAX) are not supported yet"),
+    (["--nnodes", "1:2"], "--nnodes 1:2: an elastic range needs the c10d rendezvous"),
     (["--nnodes", "x"], "--nnodes 'x' is not a number of nodes"),
     (["--rdzv-conf", "join_timeout=inf"], "--rdzv-conf join_timeout=inf: must be a finite number of seconds"),
     (["--rdzv-conf", "join_timeout"], "--rdzv-conf item 'join_timeout' is not KEY=VALUE"),
