@@ -140,6 +140,8 @@ def main(caller=None):
             with open(os.path.join(OUT_DIR, f"progress.rank{rank}.tmp"), "w") as fh:
                 fh.write(f"{step + 1} {caller.iteration} {os.getpid()} {threads} {fds}\n")
             os.replace(os.path.join(OUT_DIR, f"progress.rank{rank}.tmp"), os.path.join(OUT_DIR, f"progress.rank{rank}"))
+            with open(os.path.join(OUT_DIR, f"resources.rank{rank}"), "a") as fh:
+                fh.write(f"{step + 1} {caller.iteration} {threads} {fds}\n")
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in net.state_dict().items()}
     if MODE == "zero":
