@@ -6,6 +6,7 @@ A replaced agent that comes back is fenced. Each node runs in its own pid and mo
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -30,11 +31,12 @@ FAST = ["--nproc-per-node", "2", "--inprocess-restart", "--heartbeat-interval", 
 class Cluster:
     """Nodes of one job; `out` holds what the workers write (rank<r>.pt, entries.rank<r>, progress.rank<r>)."""
 
-    def __init__(self, launcher, tmp: Path, name: str, backend: str = "static") -> None:
+    def __init__(self, launcher, tmp: Path, name: str, backend: str = "static", worker: str = WORKER) -> None:
         self.launcher = launcher
         self.tmp = tmp
         self.name = name
         self.backend = backend
+        self.worker = worker
         self.port = free_port()
         self.out = tmp / f"out-{name}"
         self.out.mkdir()
@@ -48,7 +50,7 @@ class Cluster:
                      "--master-port", str(self.port)]
         else:
             where = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
-        node = Node(self.launcher, [*where, *FAST, "--rdzv-id", self.name, WORKER],
+        node = Node(self.launcher, [*where, *FAST, "--rdzv-id", self.name, self.worker],
                     self.tmp / f"logs-{self.name}-{label or len(self.nodes)}", env=self.env)
         self.nodes.append(node)
         return node
@@ -245,3 +247,50 @@ def test_a_spare_that_was_not_needed_leaves_with_the_job(launcher, tmp_path):
     assert codes == [0, 0, 0], info
     assert "this agent was not needed" in spare.proc.err(), info
     assert not spare.events("agent_start"), "the spare never took a node rank\n" + info
+
+
+def test_a_replacement_nodes_data_cache_resumes_at_the_restored_step(launcher, tmp_path):
+    """MMAPDataLoader (tests/scripts/mmap_worker.py) with its cache in each node's own /dev/shm: node 1 is killed
+    whole and replaced; the replacement's ranks start with an empty cache, read their first batch at the
+    restored step from it, and every rank of the job trains on exactly the batches of a fault-free run."""
+    import hashlib
+    import sys
+    sys.path.insert(0, str(SCRIPTS))
+    import mmap_worker
+    steps = 24
+    job = Cluster(launcher, tmp_path, "mmap", worker=str(SCRIPTS / "mmap_worker.py"))
+    job.env = {"OUT_DIR": str(job.out), "CACHE_DIR": "/dev/shm/hpr-test-cache", "STEPS": str(steps),
+               "STEP_SLEEP": "0.15"}
+
+    def recs(rank: int) -> list[dict]:
+        path = job.out / f"rank{rank}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    node0, node1 = job.start(0), job.start(1)
+    wait_until(lambda: any(r["ev"] == "batch" and r["step"] >= 8 for r in recs(2)), 90,
+               message="rank 2 at step 8\n" + job.describe())
+    node1.kill()
+    assert node1.wait(30) != 0
+    replacement = job.start(1, label="replacement")
+    codes = [node0.wait(180), replacement.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    for rank in range(4):
+        dl, want, epoch = mmap_worker.data_loader(rank), {}, 0
+        while len(want) < steps:
+            dl.sampler.set_epoch(epoch)
+            for batch in dl:
+                want.setdefault(len(want), mmap_worker.digest(batch, hashlib.sha256()).hexdigest())
+            epoch += 1
+        batches = [r for r in recs(rank) if r["ev"] == "batch"]
+        wrong = [r["step"] for r in batches if r["h"] != want[r["step"]]]
+        assert not wrong, f"rank {rank} trained on other batches at steps {wrong}\n{info}"
+        assert max(r["step"] for r in batches) == steps - 1, info
+        pids = {r["pid"] for r in batches}
+        if rank in (2, 3):
+            entry = [r for r in recs(rank) if r["ev"] == "enter"][-1]
+            first = next(r for r in batches if r["pid"] == entry["pid"])
+            assert len(pids) == 2 and entry["start"] >= 8 and first["step"] == entry["start"], \
+                f"rank {rank}: {entry}, first batch {first}\n{info}"
+            assert first["src"] == "cached", f"rank {rank}: the first batch after the loss bypassed the cache\n{info}"
+        else:
+            assert len(pids) == 1, f"rank {rank} should have kept its process\n{info}"

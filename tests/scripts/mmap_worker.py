@@ -13,7 +13,7 @@ A process that re-entered or started for a later generation also records {"ev": 
 
 Environment: OUT_DIR, CACHE_DIR, STEPS (24), FAULTS (';'-separated kind:rank:step[:gen], kind raise|kill,
 fired after batch `step` was consumed, before the step is saved), SHARE=1 (share_key per data shard),
-MAX_BYTES, PREFETCH (4), LOOKBACK (2), WORKERS (DataLoader workers, 0).
+MAX_BYTES, PREFETCH (4), LOOKBACK (2), WORKERS (DataLoader workers, 0), STEP_SLEEP (seconds after each step, 0).
 """
 import datetime
 import gc
@@ -32,6 +32,7 @@ from hyperpodrun import CacheResumeMMAPConfig, CheckpointManager, HPWrapper, MMA
 OUT = os.environ.get("OUT_DIR", "")
 STEPS = int(os.environ.get("STEPS", "24"))
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 RANK = int(os.environ.get("RANK", "0"))
 cm = CheckpointManager()
 loader = None   # built in __main__ (the tests import this module for Samples, sampler and digest)
@@ -129,6 +130,8 @@ def main(caller=None):
             dist.all_reduce(p.grad)
         opt.step()
         cm.save(step + 1, state)
+        if STEP_SLEEP:   # a slower job, so that a test can act while it trains
+            time.sleep(STEP_SLEEP)
     producer = loader.producer
     record("done", it=caller.iteration, stats=loader.stats, seeks=producer.seeks if producer else None,
            owner=producer is not None, max_files=max_files, max_bytes=max_bytes, groups=groups)
