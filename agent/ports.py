@@ -273,8 +273,6 @@ class Launcher(Protocol):
 
     def end_warm_spawner(self) -> None: ...
 
-    def leave(self, code: int, message: str) -> None: ...
-
 
 # ------------------------------------------------------------------ what the policies may ask of the node
 class NodeOps(Protocol):
@@ -297,6 +295,8 @@ class NodeOps(Protocol):
     def start_warm_spawner(self) -> None: ...
 
     def end_warm_spawner(self) -> None: ...
+
+    def leave(self, code: int, message: str) -> None: ...
 
 
 class GpuOps(Protocol):
