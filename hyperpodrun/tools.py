@@ -67,10 +67,17 @@ def _render_events(run: str) -> list[tuple[float, str]]:
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Only this global rank's logs.")
 @click.option("--events", is_flag=True, help="The agent's event log (faults, restarts, timings) instead.")
-def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool) -> None:
+@click.option("--timeline", "timeline_png", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Draw the run's recovery timeline (one lane per rank, coloured phases) into this PNG file "
+                   "(needs matplotlib: pip install 'hyperpodrun[timeline]').")
+def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool,
+         timeline_png: Optional[str]) -> None:
     """Show the newest run's logs (or those of LOG_DIR: a --log-dir or one run's directory)."""
     run = resolve_run(log_dir)
     click.echo(f"== {run}", err=True)
+    if timeline_png is not None:
+        _draw_timeline(run, timeline_png)
+        return
     if events:
         shown = 0
         while True:
@@ -104,6 +111,22 @@ def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool
         if not follow:
             return
         time.sleep(0.2)
+
+
+def _draw_timeline(run: str, png: str) -> None:
+    from hyperpodrun import timeline
+    from hyperpodrun.agent.events import event_files
+    from hyperpodrun.errors import MissingDependencyError
+    segs = timeline.segments(timeline.read_events(event_files(run)))
+    if not segs:
+        raise click.UsageError(f"no worker started in {run}'s event log: nothing to draw")
+    try:
+        timeline.draw(segs, png, title=os.path.basename(run))
+    except MissingDependencyError as exc:
+        raise click.UsageError(str(exc)) from None
+    except OSError as exc:
+        raise click.UsageError(f"cannot write {png}: {exc.strerror or exc}") from None
+    click.echo(f"wrote {png}: {timeline.summary(segs)}")
 
 
 GPU_KINDS = ("nvml-xid", "gpu-lost")
