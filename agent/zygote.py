@@ -1,7 +1,7 @@
 """The warm spawner's process: imports torch once, then forks respawned workers (see warm_spawner.py).
 
 Run by the agent as `python -u zygote.py FD SCRIPT` with FD one end of a SOCK_SEQPACKET socket pair. It
-imports the modules of HYPERPODRUN_WARM_IMPORTS (default: torch, torch.distributed, the hyperpodrun runtime and
+imports the modules of HYPERPODRUN_WARM_IMPORTS (default: torch, torch.distributed, torch._dynamo, the hyperpodrun runtime and
 the known-safe packages SCRIPT imports at top level, e.g. lightning), reports `{"ready": true}` (false when an
 import opened the GPU driver: a fork could not use CUDA), and then answers each request - JSON {"argv": [script, args...], "env": {...}, "cwd": ...}
 with the worker's stdout and stderr descriptors attached - by forking twice: the worker is the grandchild,
@@ -22,7 +22,9 @@ import sys
 import time
 from typing import Any, Optional
 
-DEFAULT_IMPORTS = ("torch", "torch.distributed", "hyperpodrun.runtime.wrapper")
+#: torch._dynamo too: HPWrapper imports it before the first process group (runtime/torch_state.py), and a
+#: respawned worker would otherwise spend ~1 s (CPU) to 3.4-3.8 s (H200 host) importing it after the fork
+DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._dynamo", "hyperpodrun.runtime.wrapper")
 
 # Packages whose import is known not to start threads or touch the GPU driver: when the script imports them
 # at top level, the zygote imports them too. Anything else only by HYPERPODRUN_WARM_IMPORTS.
