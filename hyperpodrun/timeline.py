@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from hyperpodrun.errors import MissingDependencyError
+from hyperpodrun.errors import ApiValueError, MissingDependencyError
 
 #: phase -> colour (colour-blind-safe palette)
 COLOURS = {"training": "#4daf4a", "detection": "#999999", "abort": "#e41a1c", "finalize": "#ff7f00",
@@ -123,7 +123,7 @@ def draw(segs: list[Segment], path: str, title: str = "") -> None:
         raise MissingDependencyError("the timeline needs matplotlib: pip install 'hyperpodrun[timeline]' "
                                      "(or pip install matplotlib)") from None
     if not segs:
-        raise ValueError("nothing to draw: no worker started in this run's event log")
+        raise ApiValueError("nothing to draw: no worker started in this run's event log")
     t0 = min(s.start for s in segs)
     ranks = sorted({s.rank for s in segs})
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(ranks) + 1.6))
