@@ -142,7 +142,9 @@ def test_node_killed_whole_and_started_again(launcher, tmp_path, reference, back
     assert [e["generation"] for e in go] == [1, 2] and "node 1 lost" in go[-1]["root_cause"], info
     assert replacement.events("replacing"), info
     restored = node0.events("state_restored") + replacement.events("state_restored")
-    assert restored and all(e["lost_steps"] == 0 for e in restored), info
+    # at most the step in flight is lost: a step every rank completed is committed only once node 1's peer
+    # copies of it reached node 0, and a kill between the two leaves the step before as the newest committed
+    assert restored and all(e["lost_steps"] <= 1 for e in restored), info
     assert_same_state(reference, job.out)
 
 
