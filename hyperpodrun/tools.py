@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import sys
@@ -50,16 +49,8 @@ def _rank_files(run: str, rank: Optional[int]) -> list[str]:
 
 def _render_events(run: str) -> list[tuple[float, str]]:
     from hyperpodrun.agent.events import event_files, format_event
-    out = []
-    for path in event_files(run):
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                out.append((rec.get("ts", 0.0), format_event(rec)))
-    return sorted(out)
+    from hyperpodrun.timeline import read_events
+    return [(rec["ts"], format_event(rec)) for rec in read_events(event_files(run))]
 
 
 @tools.command("logs")
