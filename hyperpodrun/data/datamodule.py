@@ -12,14 +12,25 @@ over the wrapped module's train_dataloader(): Lightning iterates it epoch by epo
 state_dict()/load_state_dict() (Lightning saves stateful loaders' state in checkpoints; a
 CheckpointManager state can hold the data module too) put the stream back at the restored step.
 Validation, test and predict loaders are passed through unchanged.
+
+Lightning puts a DistributedSampler into the DataLoaders it is given; it is given the MMAPDataLoader, so
+MMAPDataModule does that for the wrapped training loader (same rules: a distributed trainer with
+`use_distributed_sampler`). torch's DistributedSampler / RandomSampler / SequentialSampler resume at any
+step (positioning.py). When fit ends normally the stream's files go: at once outside an in-process
+restart, at the job's end under one (a fault of another rank may still bring this one back into fit).
 """
 from __future__ import annotations
 
+import importlib
+import logging
 from typing import Any, Optional
 
 from hyperpodrun.data.config import CacheResumeMMAPConfig
 from hyperpodrun.data.loader import MMAPDataLoader
 from hyperpodrun.errors import ApiTypeError
+from hyperpodrun import env as E
+
+log = logging.getLogger("hyperpodrun.data")
 
 _DELEGATED = ("prepare_data", "setup", "val_dataloader", "test_dataloader", "predict_dataloader",
               "transfer_batch_to_device", "on_before_batch_transfer", "on_after_batch_transfer", "on_exception")
@@ -85,8 +96,8 @@ class MMAPDataModule:
     # ------------------------------------------------------------------ the cached loader
     def train_dataloader(self) -> MMAPDataLoader:
         if self._train is None:
-            self._train = MMAPDataLoader(self.data_module.train_dataloader(), self.mmap_config,
-                                         epochs=self.epochs, name="train")
+            inner = _with_distributed_sampler(self.__dict__.get("trainer"), self.data_module.train_dataloader())
+            self._train = MMAPDataLoader(inner, self.mmap_config, epochs=self.epochs, name="train")
             if self._cursor is not None:
                 self._train.cursor = self._cursor
         return self._train
@@ -114,7 +125,10 @@ class MMAPDataModule:
         if callable(fn):
             fn(stage)
         if stage in (None, "fit") and self._train is not None and self._fit_finished():
-            self._train.close()
+            if E.worker_context().under_inprocess_restart:
+                self._train.close()     # files go when the job completes: a peer's fault may still re-enter fit
+            else:
+                self._train.release()   # nothing can restart this fit in-process: the files go now
 
     def _fit_finished(self) -> bool:
         """Whether fit ended normally (max_steps / max_epochs reached, or stopped by a callback).
@@ -126,6 +140,31 @@ class MMAPDataModule:
         if status is None:
             return True
         return str(getattr(status, "value", status)) in ("running", "finished")
+
+
+def _with_distributed_sampler(trainer: Any, loader: Any) -> Any:
+    """`loader` with the sampler Lightning would have put in (a DistributedSampler over the job's ranks when
+    the trainer is distributed and `use_distributed_sampler` is on), as it does for the DataLoaders it is
+    given: Lightning sees only the MMAPDataLoader, which is not a DataLoader. A sampler that already has
+    `resume_from` (a ResumableSampler, sharded by the script) is left alone."""
+    from torch.utils.data import DataLoader
+    if trainer is None or not isinstance(loader, DataLoader):
+        return loader
+    sampler = getattr(loader.batch_sampler, "sampler", None) or loader.sampler
+    if callable(getattr(sampler, "resume_from", None)):
+        return loader
+    prepare = getattr(getattr(trainer, "_data_connector", None), "_prepare_dataloader", None)
+    package = type(trainer).__module__.split(".trainer", 1)[0]   # lightning.pytorch or pytorch_lightning
+    try:
+        stage = importlib.import_module(f"{package}.trainer.states").RunningStage.TRAINING
+        if prepare is None:
+            raise AttributeError("Trainer._data_connector._prepare_dataloader")
+        return prepare(loader, shuffle=True, mode=stage)
+    except (ImportError, AttributeError) as exc:
+        log.warning("MMAPDataModule: cannot add Lightning's distributed sampler to %s (%s: this Lightning version "
+                    "differs); give the DataLoader a DistributedSampler or a ResumableSampler yourself",
+                    type(loader).__name__, exc)
+        return loader
 
 
 def _delegate(name: str) -> Any:

@@ -262,6 +262,14 @@ def get(path: str) -> Group:
         return group
 
 
+def release(path: str) -> bool:
+    """Close this process's Group for `path` now rather than at exit (removed when every consumer finished);
+    True when its files were removed."""
+    with _REGISTRY_LOCK:
+        group = _GROUPS.pop(path, None)
+    return group.close() if group is not None else False
+
+
 def close_all() -> None:
     with _REGISTRY_LOCK:
         groups = list(_GROUPS.values())
@@ -273,4 +281,4 @@ def close_all() -> None:
             log.debug("closing %s: %s", group.path, exc)
 
 
-__all__ = ["Group", "get", "close_all", "batch_name", "step_of"]
+__all__ = ["Group", "get", "release", "close_all", "batch_name", "step_of"]

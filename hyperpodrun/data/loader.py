@@ -157,6 +157,14 @@ class MMAPDataLoader:
             self._direct.close()
             self._direct = None
 
+    def release(self) -> None:
+        """close(), and leave the cache now instead of at exit: this process's producer stops and the stream's
+        files are removed when every consumer finished (use it when nothing can ask for a batch again)."""
+        self.close()
+        group, self._group = self._group, None
+        if group is not None:
+            groups.release(group.path)
+
     @property
     def producer(self) -> Optional[Producer]:
         """This process's producer of this loader's group (None when another rank produces)."""

@@ -2,8 +2,9 @@
 
 Three kinds of loaders, found by looking at the object (no registration):
 
-- "sampler": a torch DataLoader whose sampler is a ResumableSampler (or has `resume_from(epoch, offset)`)
-  and a fixed batch size. The position of step s is computed: epoch s // len(loader), batch s % len(loader);
+- "sampler": a torch DataLoader whose sampler is a ResumableSampler (or has `resume_from(epoch, offset)`,
+  or is one of torch's DistributedSampler / RandomSampler / SequentialSampler, which positioning.py
+  makes resumable) and a fixed batch size. The position of step s is computed: epoch s // len(loader), batch s % len(loader);
   a new iterator starts right there (exact, for any step, with or without cached files).
 - "state": an object with `state_dict()` / `load_state_dict()` (torchdata's StatefulDataLoader, or your
   own iterable). The state after every batch is stored with the batch in its cache file; a producer that
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from hyperpodrun.data.positioning import make_resumable
 from hyperpodrun.errors import DataStateLostError, OutOfOrderError
 
 log = logging.getLogger("hyperpodrun.data")
@@ -48,7 +50,9 @@ def _resumable_sampler(loader: Any) -> tuple[Any, int]:
         sampler, size = batch_sampler.sampler, batch_sampler.batch_size
     else:
         return None, 0
-    return (sampler, size) if callable(getattr(sampler, "resume_from", None)) else (None, 0)
+    if callable(getattr(sampler, "resume_from", None)) or make_resumable(sampler, loader.generator):
+        return sampler, size
+    return None, 0
 
 
 def describe(loader: Any) -> str:
@@ -81,7 +85,9 @@ class Source:
     def independent(self) -> bool:
         """True when two iterators of the loader share no state (a torch DataLoader over a ResumableSampler
         without persistent workers): a new producer need not wait until its predecessor let go of the loader."""
-        return self.kind == "sampler" and not getattr(self.loader, "persistent_workers", False)
+        from torch.utils.data import RandomSampler
+        return self.kind == "sampler" and not getattr(self.loader, "persistent_workers", False) and \
+            not isinstance(self.sampler, RandomSampler)   # its generator is state shared by every iterator
 
     # ------------------------------------------------------------------ helpers
     def _private_generator(self) -> Optional[torch.Generator]:

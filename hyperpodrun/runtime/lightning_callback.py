@@ -12,11 +12,14 @@ Why a callback: after an in-process restart the wrapped function runs again and 
 training must resume from memory where Lightning would otherwise start from step 0 or read a checkpoint.
 At fit start (the strategy has wrapped the model and built the optimizers) the callback restores the newest
 committed step into the model, optimizers, LR schedulers, precision plugin (grad scaler), the state of the
-other callbacks and of the data module, and Lightning's loop state - the same state a checkpoint saved at
+other callbacks and of the data module, and Lightning's loop state, and at train start (after
+`train_dataloader()`, which may draw a dataset from the global RNG) the RNG states - the same state a checkpoint saved at
 `on_train_batch_end` would hold, so the Trainer continues with the batch after the committed step. After
 every optimizer step it saves. Loaders that keep their position (MMAPDataLoader / MMAPDataModule, or any
 state_dict()/load_state_dict() loader) continue exactly there; a plain DataLoader is restarted at the
-beginning of its epoch by Lightning (Lightning warns), so use MMAPDataModule for exact resumes.
+beginning of its epoch by Lightning (Lightning warns), so use MMAPDataModule for exact resumes: over a
+DataLoader with `shuffle=True` (Lightning's DistributedSampler), a seeded RandomSampler, a
+SequentialSampler or a ResumableSampler it resumes at the batch after the committed step.
 
 Lightning stays optional: this module imports it only when a callback is created, and the callback derives
 from the Callback class of whichever Lightning distribution (`lightning.pytorch`, `pytorch_lightning`) the
@@ -137,19 +140,33 @@ class CheckpointlessCallback:
         self.restored_step: Optional[int] = None
         self._state: Optional[dict] = None
         self._last_saved: Optional[int] = None
+        self._rng: Optional[dict] = None
 
     def __reduce__(self) -> tuple:
         return CheckpointlessCallback, (self.checkpoint_manager, self.save_every)
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        from hyperpodrun.runtime.state_dicts import rng_state, set_rng_state
         self._state = self.state_of(trainer)
+        before = rng_state()
         self.restored_step = self.checkpoint_manager.restore(self._state)
+        if self.restored_step is not None:
+            # the restored RNG is for the training steps; what fit does first (train_dataloader() may draw a
+            # dataset from the global RNG, as Lightning's RandomDataset does) draws as in the fault-free run
+            self._rng = rng_state()
+            set_rng_state(before)
         # a fresh start saves after the first optimizer step, not the untrained state
         self._last_saved = self.restored_step if self.restored_step is not None else trainer.global_step
         if self.restored_step is not None:
             log.info("Lightning: resuming at optimizer step %d (epoch %d) from memory", self.restored_step,
                      trainer.current_epoch)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._rng is not None:
+            from hyperpodrun.runtime.state_dicts import set_rng_state
+            set_rng_state(self._rng)
+            self._rng = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         caller = getattr(trainer, "wrapper", None) or self.checkpoint_manager.caller

@@ -33,6 +33,7 @@ from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, Checkpointles
 from hyperpodrun.runtime.health import CudaHealthCheck
 from hyperpodrun.runtime.interrupt import RestartInterrupt
 from hyperpodrun.runtime.session import Session
+from hyperpodrun.runtime.state_dicts import rng_state, set_rng_state
 from hyperpodrun.runtime.torch_state import (_device_ids, _drop_frames, _exit_without_last_collection,
                                              _preload_torch_modules, _reset_torch_group_counter, _warn_existing_group)
 from hyperpodrun.symptoms import SECONDARY_MARKERS as _SECONDARY_MARKERS   # shared with the agent
@@ -134,6 +135,14 @@ class CallWrapper:
         return self._store
 
 
+def _release_data_cache() -> None:
+    """The job completed: the MMAP cache's finished streams go now (MMAPDataModule keeps them until here, as
+    a peer's fault could still bring this rank back into fit)."""
+    loader = sys.modules.get("hyperpodrun.data.loader")
+    if loader is not None:
+        loader.shutdown()
+
+
 def _secondary(exc: BaseException) -> bool:
     text = f"{type(exc).__name__}: {exc}".lower()
     return any(m in text for m in _SECONDARY_MARKERS)
@@ -180,10 +189,12 @@ class HPWrapper:
         gen = sess.generation
         need_go = gen > 0
         world: Optional[int] = None       # the world size of the previous call in this process
-        while True:
+        entry_rng = rng_state()            # every call starts from it: a survivor's re-entry draws what a new
+        while True:                        # process would (datasets drawn at setup, an unseeded init)
             previous = world
             if need_go:
                 gen = self._ready_and_go(sess, gen)
+                set_rng_state(entry_rng)
                 go = sess.go.get(gen)
                 if go is not None and go.previous_world_size is not None:
                     previous = go.previous_world_size   # the job's nodes changed in this round (elastic)
@@ -250,6 +261,7 @@ class HPWrapper:
                     if callable(getattr(self.checkpoint_manager, "close", None)):   # every rank finished: drop slots
                         self.checkpoint_manager.close(success=sess.shutdown.reason == "complete"
                                                       and not sess.shutdown.exit_code)
+                    _release_data_cache()
                     sess.client.close()
                     _exit_without_last_collection()
                     return result

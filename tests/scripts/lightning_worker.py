@@ -1,6 +1,8 @@
 """A Lightning job written the way the product note writes Tier 4: HPWrapper(checkpoint_manager=cm), a
 Trainer with CheckpointlessCallback built inside the wrapped function, MMAPDataModule over a
-LightningDataModule, DDP on gloo.
+LightningDataModule, DDP on gloo. SAMPLER=default: `DataLoader(shuffle=True)` and Lightning's own
+DistributedSampler; DATA=drawn: a dataset drawn from the global RNG in train_dataloader() (Lightning's
+RandomDataset style).
 
 Deterministic: sample i is a function of i, the sampler is a ResumableSampler, fixed seeds. FAULTS is a
 ';'-separated list of `kind:rank:step:where[:generation]` (default generation 0; kind kill|raise; where:
@@ -33,6 +35,8 @@ OUT_DIR = os.environ["OUT_DIR"]
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
 RANK = int(os.environ["RANK"])
 ACCEL = os.environ.get("ACCEL", "cpu")   # cpu (gloo) or gpu (NCCL)
+SAMPLER = os.environ.get("SAMPLER", "resumable")   # resumable (ResumableSampler) | default (shuffle=True)
+DATA = os.environ.get("DATA", "numbers")   # numbers (sample i from seed i) | drawn (from the global RNG)
 cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        enable_offload=os.environ.get("OFFLOAD") == "1")
 
@@ -57,10 +61,26 @@ class Numbers(Dataset):
         return x, torch.tanh(x[:4].sum(dim=0, keepdim=True))
 
 
+class Drawn(Dataset):
+    """Like Lightning's demo RandomDataset: the samples are drawn from the global RNG when it is made."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(256, 16)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        return x, torch.tanh(x[:4].sum(dim=0, keepdim=True))
+
+
 class Data(pl.LightningDataModule):
     def train_dataloader(self):
         world = int(os.environ["WORLD_SIZE"])
-        data = Numbers()
+        data = Drawn() if DATA == "drawn" else Numbers()
+        if SAMPLER == "default":   # what most scripts write: Lightning adds its DistributedSampler
+            return DataLoader(data, batch_size=8, shuffle=True)
         return DataLoader(data, batch_size=8, sampler=ResumableSampler(data, seed=3, num_replicas=world, rank=RANK))
 
 
@@ -97,7 +117,7 @@ def main(caller=None):
                          num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
                          max_steps=STEPS, accumulate_grad_batches=ACCUM, deterministic=ACCEL == "cpu",
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False,
+                         enable_model_summary=False, use_distributed_sampler=SAMPLER == "default",
                          callbacks=[CheckpointlessCallback(checkpoint_manager=cm)])
     trainer.wrapper = caller
     data = MMAPDataModule(data_module=Data(), mmap_config=CacheResumeMMAPConfig(
