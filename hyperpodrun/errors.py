@@ -89,6 +89,12 @@ class MissingDependencyError(HyperpodrunError, ImportError):
     """An optional dependency a feature needs is not installed (e.g. Lightning for CheckpointlessCallback)."""
 
 
+class SetupOrderError(HyperpodrunError, TypeError):
+    """Something an in-process restart must create again on every re-entry was created before the HPWrapper
+    function ran (a process group, e.g. by Hugging Face `TrainingArguments` built at module level). A
+    programming error: a `TypeError`, so HPWrapper's default `fatal_exceptions` ends the job at once."""
+
+
 class RankEnvironmentTimeout(HyperpodrunError, TimeoutError):
     """The launcher did not complete this process's rank environment in time (`wait_rank`)."""
 
@@ -182,7 +188,8 @@ __all__ = [
     "EXIT_OK", "EXIT_USAGE", "EXIT_AGENT_ERROR", "EXIT_STATE_LOST", "EXIT_NO_USABLE_GPU", "EXIT_STEP_KEEPS_FAILING",
     "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED",
     "HyperpodrunError", "ConfigError", "RendezvousError", "WorkerSpawnError", "ProtocolError", "AuthError",
-    "UnsafePathError", "ApiValueError", "ApiTypeError", "MissingDependencyError", "RankEnvironmentTimeout",
+    "UnsafePathError", "ApiValueError", "ApiTypeError", "MissingDependencyError", "SetupOrderError",
+    "RankEnvironmentTimeout",
     "OutOfOrderError", "HealthCheckError", "InjectedFault", "StateLostError", "StateMismatchError",
     "ReplicaLayoutError", "SnapshotCorrupt", "CodecError", "UnsupportedStateError", "MMAPConfigError",
     "CacheFullError", "CacheCorruptError", "DataStateLostError", "CacheTimeoutError",

@@ -14,6 +14,8 @@ from typing import Optional
 
 log = logging.getLogger("hyperpodrun.runtime")
 
+_group_before_wrapper = False   # set by _warn_existing_group: a default group existed before the first call
+
 
 def _device_ids() -> dict:
     """GPU UUID / PCI bus id of this thread's current CUDA device, for the agent's NVML monitor; {} until CUDA is in
@@ -112,10 +114,18 @@ def _warn_existing_group() -> None:
     except Exception:
         return
     if exists:
+        global _group_before_wrapper
+        _group_before_wrapper = True
         log.warning("hyperpodrun: rank %s: a default process group already exists before the HPWrapper function "
                     "runs; it cannot be re-created in-process, so a restart would hang until "
                     "--inprocess-timeout: call init_process_group() (and build whatever creates it, e.g. "
                     "TrainingArguments) inside the wrapped function", os.environ.get("RANK", "?"))
+
+
+def group_before_wrapper() -> bool:
+    """True when a default process group already existed when HPWrapper first ran its function in this process
+    (under --inprocess-restart): integrations that need the group re-created at every re-entry refuse it."""
+    return _group_before_wrapper
 
 
 def _exit_without_last_collection() -> None:
