@@ -37,8 +37,10 @@ of epochs already completed see on_epoch_begin again (no training, no on_epoch_e
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import json
 import logging
 import sys
 from types import FrameType
@@ -125,6 +127,35 @@ class _Position:
     stop: bool
 
 
+def _plain(value: Any) -> Any:
+    """A numpy / torch scalar in a log entry as the Python number it holds; anything else is refused."""
+    if callable(getattr(value, "item", None)) and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    raise ApiTypeError(f"CheckpointlessTrainerCallback: TrainerState.log_history holds a {type(value).__name__} "
+                       f"({value!r}); log numbers and strings (HF's own checkpoints store it as JSON too)")
+
+
+class _LogHistory:
+    """`TrainerState.log_history` as one JSON text, encoded incrementally: it only grows during training, and
+    encoded as a list of dicts at every save it would cost ~6 ms per 1,000 entries (a long run logging every
+    step would spend more time saving than training). JSON is what HF's own checkpoints hold (floats exact)."""
+
+    def __init__(self) -> None:
+        self._count, self._last, self._body = 0, None, ""
+
+    def encode(self, history: list) -> str:
+        n = self._count
+        if n > len(history) or (n and history[n - 1] is not self._last):
+            n, self._body = 0, ""                  # not the list encoded so far (replaced or rewritten)
+        if len(history) > n:
+            new = ",".join(json.dumps(e, default=_plain) for e in history[n:])
+            self._body = f"{self._body},{new}" if self._body else new
+            self._count, self._last = len(history), history[-1]
+        else:
+            self._count = n
+        return f"[{self._body}]"
+
+
 class _TrainerEntry:
     """What a Trainer keeps besides model, optimizer, scheduler and scaler (one CheckpointManager entry)."""
 
@@ -133,8 +164,10 @@ class _TrainerEntry:
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        state = dataclasses.asdict(t.state)
-        state.pop("stateful_callbacks", None)   # saved from the callbacks themselves, below
+        state = {f.name: getattr(t.state, f.name) for f in dataclasses.fields(t.state)
+                 if f.name not in ("log_history", "stateful_callbacks")}   # callbacks: saved from themselves
+        state = copy.deepcopy(state)
+        state["log_history"] = self.owner._history.encode(t.state.log_history)
         return {"state": state, "control": dataclasses.asdict(t.control), "callbacks": _callback_states(t),
                 "loss": {"tr_loss": t._tr_loss, "total": float(t._total_loss_scalar),
                          "last_logged": int(t._globalstep_last_logged), "initial_step": int(t._initial_global_step),
@@ -146,7 +179,7 @@ class _TrainerEntry:
         t = self.trainer
         for k, v in sd["state"].items():
             if k not in _PER_RANK and hasattr(t.state, k):
-                setattr(t.state, k, v)
+                setattr(t.state, k, json.loads(v) if k == "log_history" else v)
         control = dict(sd["control"])
         stop = bool(control.pop("should_training_stop", False))   # applied where the loop reaches the position
         for k, v in control.items():
@@ -207,6 +240,7 @@ class CheckpointlessTrainerCallback(TrainerCallback):
         self._steps_per_epoch = 0
         self._epoch_ending = False
         self._last_saved: Optional[tuple[int, int, bool]] = None
+        self._history = _LogHistory()
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
