@@ -14,12 +14,14 @@ Writes to OUT_DIR: rank<r>.pt at the end (parameters, optimizer state, global_st
 without timings), batches<r>.txt (a line `step.micro digest generation` per micro-batch trained),
 logs<r>.txt (a JSON line per on_log), faults.txt (one line per fault fired).
 """
+import gc
 import hashlib
 import json
 import os
 import signal
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
@@ -127,6 +129,10 @@ def main(caller=None):
                 "epoch": trainer.state.epoch, "log_history": [timeless(e) for e in trainer.state.log_history],
                 "restored_step": checkpointless.restored_step},
                os.path.join(OUT_DIR, f"rank{RANK}.pt"))
+    del trainer, model, out, opt   # before the group goes: a gloo thread must not free a tensor at exit
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
