@@ -54,8 +54,9 @@ def hyperpodrun(tmp_path, name: str, nproc: int, env_extra: dict, timeout: float
     return _run(cmd, tmp_path / name, env_extra, timeout)
 
 
-def torchrun(tmp_path, name: str, nproc: int, env_extra: dict, timeout: float = 120) -> tuple[int, str, str]:
-    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), WORKER]
+def torchrun(tmp_path, name: str, nproc: int, env_extra: dict, timeout: float = 120,
+             flags: tuple[str, ...] = ()) -> tuple[int, str, str]:
+    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *flags, WORKER]
     return _run(cmd, tmp_path / name, env_extra, timeout)
 
 
@@ -157,6 +158,20 @@ def test_trainer_recovers_bitwise_exact(tmp_path, reference, config, faults):
     assert all(e["source"] == "memory" and e["lost_steps"] <= 1 for e in restored), info
     assert_same(reference(config), out, nproc, info)
     assert result(out, 0)["restored_step"] in (s2 - 1, s2), info
+
+
+@pytest.mark.slow
+def test_torchrun_process_restart_resumes_from_local_snapshots(tmp_path, reference):
+    """Plain torchrun (no HPWrapper restarts): an exception mid-accumulation ends the workers, torchrun starts
+    them again, and the new processes restore from the snapshots the old ones left in shared memory."""
+    nproc, env = CONFIGS["B"]
+    step = _rng.choice([3, 4])
+    rc, out, err = torchrun(tmp_path, "restarted", nproc, {**env, "FAULTS": f"raise:{_rng.randrange(2)}:{step}:1"},
+                            timeout=180, flags=("--max-restarts", "1"))
+    info = f"step {step} seed={SEED}\n{err[-3000:]}"
+    assert rc == 0, info
+    assert result(out, 0)["restored_step"] in (step - 1, step), info
+    assert_same(reference("B"), out, nproc, info)
 
 
 @pytest.mark.slow
