@@ -8,7 +8,7 @@ none; HF_DIR: their directory), RESUME (train(resume_from_checkpoint=HF_DIR/RESU
 any), EARLY_ARGS=1 (TrainingArguments built at module level, which under --inprocess-restart must be refused),
 FAULTS: a ';'-separated list
 of `kind:rank:step:micro[:generation]` (kind kill|raise; fires in training_step of that micro-batch of the
-optimizer step that starts at global_step `step`; default generation 0).
+optimizer step that starts at global_step `step`, or with step -1 after train() returned; default generation 0).
 
 Writes to OUT_DIR: rank<r>.pt at the end (parameters, optimizer state, global_step, train_loss, log_history
 without timings), batches<r>.txt (a line `step.micro digest generation` per micro-batch trained),
@@ -123,6 +123,7 @@ def main(caller=None):
     elif resume:
         resume = os.path.join(args.output_dir, resume)
     out = trainer.train(resume_from_checkpoint=resume)
+    maybe_fault(-1, 0, caller.iteration)   # step -1: after train() returned
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     torch.save({"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                 "opt": opt.state_dict(), "global_step": trainer.state.global_step, "train_loss": out.training_loss,
