@@ -190,6 +190,42 @@ def test_model_built_outside_the_wrapped_function(tmp_path, reference):
     assert_same(reference("allreduce"), out)
 
 
+def restores(out: str) -> dict[int, dict[int, str]]:
+    """rank -> generation -> how the rank got its state there (CheckpointManager.restored_from)."""
+    got: dict[int, dict[int, str]] = {}
+    for rank in range(4):
+        with open(os.path.join(out, f"restores.rank{rank}")) as fh:
+            for line in fh:
+                gen, _start, how = line.split()
+                got.setdefault(rank, {})[int(gen)] = how
+    return got
+
+
+@pytest.mark.slow
+def test_survivors_keep_their_own_state_unless_it_moved_past_the_restored_step(tmp_path, reference):
+    """Model and optimizer built outside the re-executed function, so survivors keep them. Generation 0: an
+    exception between backward and the optimizer step - the raising rank's state is still at the committed
+    step, it keeps it (nothing copied back). Generation 1: an exception right after an optimizer step, before
+    its save - that rank went past the committed step and must copy it back. Generation 2: a SIGKILL - its
+    replacement copies its state from shared memory, the survivors (all at the committed step) keep theirs.
+    The end state is bitwise the fault-free run's in every case."""
+    r1, r2, r3 = _rng.randrange(4), _rng.randrange(4), _rng.randrange(4)
+    s1 = _rng.randrange(1, 4)
+    s2 = _rng.randrange(s1 + 1, 7)
+    s3 = _rng.randrange(s2 + 1, 9)
+    faults = f"raise:{r1}:{s1}:prestep;raise:{r2}:{s2}:poststep:1;kill:{r3}:{s3}:top:2"
+    rc, out, err = run_job(tmp_path, "live", "allreduce", faults, extra_env={"BUILD_OUTSIDE": "1"})
+    info = f"FAULTS={faults} seed={SEED}\n{err[-3000:]}"
+    assert rc == 0, info
+    assert_same(reference("allreduce"), out)
+    how = restores(out)
+    assert how[r1][1] == "live", f"rank {r1} raised before its optimizer step but copied its state back: {how}\n{info}"
+    assert how[r2][2] == "shm", f"rank {r2} had stepped past the committed step but kept its state: {how}\n{info}"
+    assert how[r3][3] == "shm", f"the replacement of rank {r3} did not load its snapshot: {how}\n{info}"
+    assert all(how[r][3] == "live" for r in range(4) if r != r3), \
+        f"a survivor of the SIGKILL (every one at the committed step) copied its state back: {how}\n{info}"
+
+
 @pytest.mark.slow
 def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, reference):
     """DDP replicates over its process group: a rank whose shared memory is gone recovers from a peer."""

@@ -48,6 +48,7 @@ from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
 from hyperpodrun.runtime.restore_plan import Inventory, find_snapshots, gather, map_private, plan_restore
+from hyperpodrun.runtime.live_state import LiveState
 from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
                                              rng_state, saved_where, set_rng_state, state_dict_of, tensors_in)
 from hyperpodrun.safe_fs import private_dir
@@ -78,13 +79,16 @@ class CheckpointManager:
     peer_copy: with several nodes, also copy every slot to a rank on another node (default: on when the
         job spans several nodes), so that the loss of a node does not lose the state of its ranks.
     shm_dir: where the slots live (a tmpfs; default /dev/shm, or HYPERPODRUN_SHM_DIR).
+    reuse_live: a surviving rank whose objects are still at the restored step keeps them as they are
+        instead of copying the state back (hyperpodrun/runtime/live_state.py says when that is the case);
+        False for scripts that change parameters through `.data` between saves.
     """
 
     def __init__(self, enable_checksum: bool = False, enable_offload: bool = False,
                  fallback_dir: Optional[str] = None, fallback_every: Optional[int] = None,
                  shm_dir: Optional[str] = None, replica_groups: Optional[Sequence[Sequence[int]]] = None,
                  num_distributed_optimizer_instances: Optional[int] = None,
-                 peer_copy: Optional[bool] = None) -> None:
+                 peer_copy: Optional[bool] = None, reuse_live: bool = True) -> None:
         if replica_groups is not None and num_distributed_optimizer_instances is not None:
             raise ApiValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
                                 "not both")
@@ -114,6 +118,11 @@ class CheckpointManager:
         self._first_iteration: Optional[int] = None   # the generation this process first ran the function in
         self._saved_objects: list[weakref.ref] = []     # the state objects of the last save (not kept alive)
         self.peer_copy = peer_copy
+        self.reuse_live = reuse_live
+        self._live: Optional[LiveState] = None          # the newest sealed save, as the objects still hold it
+        #: how this rank's last restore() got its state: "live" (its own objects, nothing copied), "shm",
+        #: "replica", "peer", "disk", or None (a fresh start)
+        self.restored_from: Optional[str] = None
         self._peers: Optional[PeerCopies] = None
         self._exit_hook = False
 
@@ -225,6 +234,7 @@ class CheckpointManager:
                     stable.update(local_ptr(p) for p in obj.parameters())
             else:
                 payload["state"][name] = ("value", obj)
+        live = LiveState(step, payload, state) if self.reuse_live else None
         try:
             staged = io.plan(step, payload, stable, self.enable_offload)
         except UnsupportedStateError as exc:
@@ -250,6 +260,7 @@ class CheckpointManager:
         def sealed() -> None:
             io.seal(view, staged)
             self.last_saved = step
+            self._live = live
             if self._peers is not None:
                 self._peers.send(step, path)
             if self.fallback_dir and self.fallback_every and step % self.fallback_every == 0:
@@ -302,9 +313,14 @@ class CheckpointManager:
         import torch.distributed as dist
         _check_state(state, "restore")
         self.wait()
+        self.restored_from = None
         if getattr(self._caller, "world_size_changed", False):
             return self._restore_resized(state)
-        shm = find_snapshots(self._ensure_dir())
+        # a survivor whose objects are still at its newest save need not read that slot (nor sum it)
+        live = self._live.payload_for(self._live.step, state) if self._live is not None else None
+        trusted = {os.path.join(self._ensure_dir(), f"slot{self._live.step % 2}"): self._live.step} \
+            if self._live is not None and live is not None else {}
+        shm = find_snapshots(self._ensure_dir(), trusted)
         disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
         mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
@@ -331,20 +347,31 @@ class CheckpointManager:
             if received is not None:
                 data = bytearray(received)
                 self._keep(step, received)
-        verified = data is None        # our own slot or fallback file: find_snapshots checked it just now
-        if data is None:
-            data = map_private(shm.get(step) or disk[step])
-        try:
-            _, payload = io.decode(data, f"snapshot of step {step}", verify=not verified, copy=False)  # _load copies
-        except SnapshotCorrupt as exc:
-            raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") from exc
-        self._load(payload, state)
+        if live is not None and self._live is not None and self._live.step == step and step in shm:
+            self._load_live(live, state)
+            self.restored_from = "live"
+        else:
+            self._live = None
+            source = "replica" if data is not None else ("shm" if step in shm else "disk")
+            path = shm.get(step) or disk[step] if data is None else ""
+            # our own slot or fallback file was checked by find_snapshots just now (unless it was trusted)
+            verified = data is None and path not in trusted
+            if data is None:
+                data = map_private(path)
+            try:
+                _, payload = io.decode(data, f"snapshot of step {step}", verify=not verified, copy=False)
+            except SnapshotCorrupt as exc:
+                raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") from exc
+            self._load(payload, state)   # copies out of the mapping
+            self.restored_from = source
         self.last_saved = step
         if self._session is not None and self.rank == 0:
             from hyperpodrun import protocol as P
             self._session.send(P.Restored(rank=self.rank, pid=os.getpid(), generation=self._caller.iteration,
                                           step=step, lost_steps=plan.lost_steps, source=plan.source))
-        log.info("restored step %d from %s (%d step(s) lost)", step, plan.source, plan.lost_steps)
+        log.info("restored step %d (%d step(s) lost); this rank's state: %s", step, plan.lost_steps,
+                 "its own objects, unchanged since that save" if self.restored_from == "live" else
+                 f"copied from {self.restored_from}")
         return step
 
     def _restore_resized(self, state: Mapping[str, Any]) -> Optional[int]:
@@ -354,6 +381,7 @@ class CheckpointManager:
         import torch.distributed as dist
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         prev = getattr(self._caller, "previous_world_size", None)
+        self._live = None
         shm = find_snapshots(self._ensure_dir())
         everyone = gather({"shm": sorted(shm), "disk": [], "latest": self.last_saved, "copies": {},
                            "never_committed": False})
@@ -395,6 +423,7 @@ class CheckpointManager:
             from hyperpodrun import protocol as P
             self._session.send(P.Restored(rank=self.rank, pid=os.getpid(), generation=self._caller.iteration,
                                           step=step, lost_steps=max(0, latest - step), source="resized"))
+        self.restored_from = "resized"
         log.info("restored step %d at world size %d (was %s)", step, world, prev)
         return step
 
@@ -428,6 +457,23 @@ class CheckpointManager:
                     fix_optimizer_dtensors(obj)
             elif isinstance(state, dict):
                 state[name] = like(saved, None)
+        if payload.get("ddp_layouts"):
+            self._layouts.restore(payload["ddp_layouts"])
+        set_rng_state(payload["rng"])
+
+    def _load_live(self, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        """Put back what a save kept outside the tensors (hyper-parameters, values, RNG); the tensors are the
+        objects' own, unchanged since that save: a module made of tensors only is left as it is."""
+        import torch
+        for name, obj in state.items():
+            kind, saved, tensors_only = payload["state"][name]
+            if kind == "sd":
+                if not (tensors_only and isinstance(obj, torch.nn.Module)):
+                    load_state_dict_into(obj, saved)
+                    if isinstance(obj, torch.optim.Optimizer):
+                        fix_optimizer_dtensors(obj)
+            elif isinstance(state, dict):
+                state[name] = saved
         if payload.get("ddp_layouts"):
             self._layouts.restore(payload["ddp_layouts"])
         set_rng_state(payload["rng"])

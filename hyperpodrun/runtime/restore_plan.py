@@ -13,7 +13,7 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, TypedDict
+from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict
 
 from hyperpodrun.errors import SnapshotCorrupt, StateLostError
 from hyperpodrun.runtime import replicas
@@ -56,8 +56,11 @@ def map_private(path: str) -> mmap.mmap:
         os.close(fd)
 
 
-def find_snapshots(directory: str) -> dict[int, str]:
-    """step -> path of every complete, intact snapshot in `directory` (bad ones are skipped, loudly)."""
+def find_snapshots(directory: str, trusted: Optional[Mapping[str, int]] = None) -> dict[int, str]:
+    """step -> path of every complete, intact snapshot in `directory` (bad ones are skipped, loudly).
+
+    trusted: path -> step of slots this process sealed itself and still holds; only their header is read
+    (a restore that then reads their data verifies it: SnapshotIO.decode(verify=True))."""
     found: dict[int, str] = {}
     if not os.path.isdir(directory):
         return found
@@ -66,7 +69,12 @@ def find_snapshots(directory: str) -> dict[int, str]:
             continue
         path = os.path.join(directory, name)
         try:
-            step = io.verify(map_private(path), path)
+            if trusted and path in trusted:
+                step = io.header(map_private(path), path)[0]
+                if step != trusted[path]:
+                    raise SnapshotCorrupt(f"{path}: holds step {step}, not the step {trusted[path]} sealed there")
+            else:
+                step = io.verify(map_private(path), path)
         except (SnapshotCorrupt, OSError, ValueError) as exc:
             log.error("ignoring snapshot %s", exc)
             continue

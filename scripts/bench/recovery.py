@@ -95,6 +95,15 @@ def command(system: str, a: argparse.Namespace, port: int, log_dir: Path, restar
             "--progress-timeout", str(a.hang_timeout), "--inprocess-timeout", "60", str(WORKER)]
 
 
+def ckpt_dir(a: argparse.Namespace, out: Path) -> Path:
+    """Where the torch.save checkpoints go: --ckpt-dir (a fresh folder in it per job), else the job's folder."""
+    if not a.ckpt_dir:
+        return out
+    path = Path(a.ckpt_dir) / f"recovery-ckpt-{os.getpid()}-{out.parent.name}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def run_job(system: str, kind: str, a: argparse.Namespace, steps: list[int], ranks: list[int], every: int,
             tmp: Path) -> dict[str, Any]:
     out = tmp / "out"
@@ -104,7 +113,8 @@ def run_job(system: str, kind: str, a: argparse.Namespace, steps: list[int], ran
                LAYERS=str(a.layers), BATCH=str(a.batch), STEP_SLEEP=str(a.step_sleep), CKPT_EVERY=str(every),
                FAULT_KIND=kind, FAULT_STEPS=",".join(map(str, steps)), FAULT_RANKS=",".join(map(str, ranks)),
                DEVICE=a.device, PG_TIMEOUT=str(a.hang_timeout), NVRX_SOFT_TIMEOUT=str(a.hang_timeout),
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1",
+               OFFLOAD="1" if a.offload else "0", CKPT_DIR=str(ckpt_dir(a, out)))
     env.pop("HYPERPODRUN_RESTART_GRACE_S", None)
     t0 = time.time()
     with open(tmp / "launcher.log", "wb") as log:
@@ -116,8 +126,11 @@ def run_job(system: str, kind: str, a: argparse.Namespace, steps: list[int], ran
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = -999
-    for ck in out.glob("ckpt.pt*"):   # a GPU run's checkpoint is GBs: one job's at a time on the disk
+    where = ckpt_dir(a, out)
+    for ck in where.glob("ckpt.pt*"):   # a GPU run's checkpoint is GBs: one job's at a time
         ck.unlink()
+    if where != out:
+        where.rmdir()
     res = measure(out, a.nproc)
     res.update(system=system, kind=kind, exit_code=code, wall_s=time.time() - t0, ckpt_every=every,
                ok=code == 0 and len(res["faults"]) == len(steps) and all(f["downtime_s"] is not None
@@ -177,7 +190,7 @@ def phases(run: Path, faults: list[dict[str, Any]]) -> dict[str, Optional[float]
 
 def calibrate(a: argparse.Namespace, tmp: Path) -> tuple[float, float]:
     """(step seconds, checkpoint save seconds) from a short fault-free torchrun job saving every 5 steps."""
-    b = argparse.Namespace(**{**vars(a), "steps": 25})
+    b = argparse.Namespace(**{**vars(a), "steps": 11 if a.gpu else 25})   # GPU: 2 saves of GBs
     res = run_job("torchrun", "", b, [], [0], 5, tmp)
     saves = [s["s"] for s in records(tmp / "out", "saves")]
     if not res["step_s"]:
@@ -306,15 +319,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="steps before the first fault (default 3 intervals)")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=None, help="samples per step (default 32; --gpu 8192)")
+    ap.add_argument("--calibrated", default=None, metavar="STEP_S,SAVE_S",
+                    help="skip the calibration job: the step and checkpoint-save seconds of an earlier run (its "
+                    "recovery.json meta), so that runs split over several commands use the same interval")
+    ap.add_argument("--merge", default=None, metavar="DIR,DIR,...",
+                    help="only merge the recovery.json of runs split over several commands into --out")
     ap.add_argument("--step-sleep", type=float, default=0.02)
     ap.add_argument("--hang-timeout", type=float, default=3.0, help="hang detection: --progress-timeout, NVRx "
                     "soft timeout, the process group timeout of the process-level systems")
     ap.add_argument("--job-timeout", type=float, default=240.0)
+    ap.add_argument("--ckpt-dir", default=None, help="where the torch.save checkpoints go (default: the job's "
+                    "temporary folder; --gpu: /dev/shm, the fastest place there - in the checkpointing systems' favour)")
+    ap.add_argument("--offload", action="store_true", help="hyperpodrun in-process: CheckpointManager("
+                    "enable_offload=True), the snapshot copy overlapping the next step (on with --gpu)")
     ap.add_argument("--timeline-kind", default="kill")
     ap.add_argument("--redraw", action="store_true", help="only draw DIR/recovery.png again from DIR/recovery.json "
                     "(e.g. on a machine with matplotlib, for a run made on one without)")
     a = ap.parse_args(argv)
+    if a.merge:
+        parts = [json.loads((Path(d) / "recovery.json").read_text()) for d in a.merge.split(",")]
+        meta = dict(parts[0]["meta"], command=" + ".join(p["meta"]["command"] for p in parts))
+        results = [r for p in parts for r in p["results"]]
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recovery.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (out / "recovery.md").write_text(report(results, meta))
+        kinds = sorted({r["kind"] for r in results})
+        draw(results, a.timeline_kind if a.timeline_kind in kinds else kinds[0], out / "recovery.png")
+        print((out / "recovery.md").read_text())
+        return 0
     if a.redraw:
         data = json.loads((Path(a.out) / "recovery.json").read_text())
         kinds = sorted({r["kind"] for r in data["results"]})
@@ -329,9 +363,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         a.warmup = 3 * a.interval
     if a.gpu:
         import torch
-        a.device, a.dim, a.layers, a.batch, a.step_sleep = "cuda", 8192, 16, 64, 0.0   # 16 x 8192^2 = 1.07B
+        a.device, a.dim, a.layers, a.step_sleep = "cuda", 8192, 16, 0.0   # 16 x 8192^2 = 1.07B
+        a.batch = a.batch or 8192
         a.nproc = max(1, torch.cuda.device_count()) if a.nproc == 2 else a.nproc
         a.hang_timeout = max(a.hang_timeout, 10.0)
+        a.offload = True
+        a.ckpt_dir = a.ckpt_dir or "/dev/shm"
+    a.batch = a.batch or 32
     fault_steps, fault_ranks = schedule(a)
     a.steps = fault_steps[-1] + a.interval if fault_steps else 2 * a.interval
     out = Path(a.out)
@@ -339,7 +377,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     systems, kinds = a.systems.split(","), a.kinds.split(",")
     with tempfile.TemporaryDirectory(prefix="recovery-") as tmpdir:
         tmp = Path(tmpdir)
-        step_s, save_s = calibrate(a, tmp / "calibrate")
+        if a.calibrated:
+            step_s, save_s = (float(v) for v in a.calibrated.split(","))
+        else:
+            step_s, save_s = calibrate(a, tmp / "calibrate")
         mtbf = a.interval * step_s
         every = max(1, min(a.interval, round(math.sqrt(2 * save_s * mtbf) / step_s))) if save_s > 0 else a.interval
         results: list[dict[str, Any]] = []

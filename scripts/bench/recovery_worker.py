@@ -3,7 +3,8 @@ system, so that the same model, optimizer, batch and steps run under each (SYSTE
 
   torchrun       a torch.save checkpoint every CKPT_EVERY steps, reloaded when torchrun starts it again
   hpr-process    the same, under hyperpodrun --max-restarts (process level)
-  hpr-inprocess  HPWrapper + CheckpointManager (state in memory), under hyperpodrun --inprocess-restart
+  hpr-inprocess  HPWrapper + CheckpointManager (state in memory; OFFLOAD=1: the copy overlaps the next step),
+                 under hyperpodrun --inprocess-restart; model and optimizer outside the wrapped function
   nvrx           NVIDIA Resiliency Extension's inprocess.Wrapper as its basic example starts it (a fresh
                  TCPStore per iteration, the model built in the wrapped function, a torch.save checkpoint every
                  CKPT_EVERY steps reloaded on every iteration), under torchrun
@@ -42,7 +43,7 @@ FAULT_RANKS = [int(s) for s in os.environ.get("FAULT_RANKS", "").split(",") if s
 DEVICE = os.environ.get("DEVICE", "cpu")
 PG_TIMEOUT = float(os.environ.get("PG_TIMEOUT", "10"))
 RANK = int(os.environ.get("RANK", "0"))
-CKPT = os.path.join(OUT, "ckpt.pt")
+CKPT = os.path.join(os.environ.get("CKPT_DIR") or OUT, "ckpt.pt")
 
 
 def note(kind: str, **fields) -> None:
@@ -57,7 +58,7 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def build(dev: torch.device):
+def build_model(dev: torch.device):
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -65,8 +66,12 @@ def build(dev: torch.device):
     model = nn.Sequential(*layers).to(dev)
     if DEVICE == "cuda":
         model = model.to(torch.bfloat16)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    return model, ddp, torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def build(dev: torch.device):
+    model, opt = build_model(dev)
+    return model, nn.parallel.DistributedDataParallel(model), opt
 
 
 def maybe_fault(step: int, gen: int) -> None:
@@ -132,23 +137,27 @@ def process_level() -> None:
 
 
 def hyperpodrun_inprocess() -> None:
+    """The model and optimizer are built once per process, outside the re-executed function: a surviving rank
+    keeps them (on the GPU), and restore() leaves them as they are when they are still at the restored step
+    (CheckpointManager's reuse_live). Only DDP, which holds the process group, is made again per generation."""
     from hyperpodrun import CheckpointManager, HPWrapper
-    cm = CheckpointManager()
+    cm = CheckpointManager(enable_offload=os.environ.get("OFFLOAD") == "1")
+    dev = device()
+    model, opt = build_model(dev)
 
     @HPWrapper(checkpoint_manager=cm, abort_timeout=30)
     def main(caller=None):
-        dev = device()
         dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=PG_TIMEOUT))
-        model, ddp, opt = build(dev)
-        state = {"model": ddp, "opt": opt}
+        state = {"model": model, "opt": opt}
         start = cm.restore(state) or 0
-        note("entries", gen=caller.iteration, start=start)
+        note("entries", gen=caller.iteration, start=start, restored_from=cm.restored_from)
+        ddp = nn.parallel.DistributedDataParallel(model)   # after the restore: its broadcast changes nothing
 
         def save(step: int) -> None:
             cm.save(step, state)
         train(ddp, opt, start, caller.iteration, dev, save, caller.progress)
-        model = ddp = opt = state = None
+        ddp = state = None
         dist.destroy_process_group()
     main()
 

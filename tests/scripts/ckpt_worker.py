@@ -2,7 +2,8 @@
 
 Deterministic (data indexed by step and rank, fixed seeds); saves state after every optimizer step with
 CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-separated list of
-`kind:rank:step:where` fired once in generation `gen` (kind kill|raise; where: top|allreduce|prestep).
+`kind:rank:step:where` fired once in generation `gen` (kind kill|raise; where: top|allreduce|prestep|poststep, poststep: after the optimizer step, before the
+save). OUT_DIR/restores.rank<r> says per generation how the rank got its state (CheckpointManager.restored_from).
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt.
 """
 import datetime
@@ -117,6 +118,8 @@ def main(caller=None):
         # a replacement's workers may get the pids the lost node's had)
         started = open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]
         fh.write(f"{caller.iteration} {start} {os.getpid()}@{started}\n")
+    with open(os.path.join(OUT_DIR, f"restores.rank{rank}"), "a") as fh:   # how this rank got its state
+        fh.write(f"{caller.iteration} {start} {cm.restored_from}\n")
     for step in range(start, STEPS):
         current["step"], current["gen"] = step, caller.iteration
         caller.progress(step)
@@ -132,6 +135,7 @@ def main(caller=None):
                 p.grad.div_(world)
         maybe_fault("prestep", step, rank, caller.iteration)
         opt.step()
+        maybe_fault("poststep", step, rank, caller.iteration)
         cm.save(step + 1, state)
         if STEP_SLEEP:   # a slower job, so that a test can act while it trains (PROGRESS names the last step)
             time.sleep(STEP_SLEEP)
