@@ -3,7 +3,8 @@
 - ColdSpawn: a new interpreter in its own session (subprocess); always serves.
 - WarmFork: the zygote (agent/warm_spawner.py, agent/zygote.py) that has imported torch forks the worker
   in milliseconds; it serves respawns once its imports are done, and declines (None) otherwise.
-GPU standby processes will be a third source. The launcher (agent/workers.py) asks the fast sources first
+- StandbyPool (agent/standby.py): processes forked ahead from the zygote, with their CUDA context made,
+  that become a rank which died (--standby-workers). The launcher (agent/workers.py) asks the fast sources first
 for a respawn and falls back to a cold spawn (docs/ARCHITECTURE.md, "Worker sources").
 """
 from __future__ import annotations

@@ -199,6 +199,9 @@ class Supervisor:
     def track_extra(self, pid: int) -> None:
         self._extra.add(pid)
 
+    def untrack_extra(self, pid: int) -> None:
+        self._extra.discard(pid)
+
     def reap_orphans(self) -> None:
         """Reap re-parented orphans (we are a subreaper, or PID 1) without touching our own children."""
         ours = {p.pid for p in self.workers.values() if p.returncode is None} | self._extra

@@ -100,6 +100,33 @@ class WarmSpawner:
             raise WarmSpawnError(f"the warm spawner failed: {reply.get('error')}")
         return int(reply["pid"])
 
+    def fork_standby(self, local_rank: int, timeout: float = 5.0) -> tuple[int, socket.socket]:
+        """Fork a standby for `local_rank` (agent/standby.py): (its pid, the agent's end of its socket, on which
+        it reports ready and receives the rank it becomes). Raises WarmSpawnError."""
+        if not self.check_ready():
+            raise WarmSpawnError("the warm spawner is not ready (still importing, or gone)")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            socket.send_fds(self._sock, [json.dumps({"standby": True, "local_rank": local_rank}).encode()],
+                            [theirs.fileno()])
+            r, _, _ = select.select([self._sock], [], [], timeout)
+            msg = self._sock.recv(1 << 16) if r else b""
+        except OSError as exc:
+            ours.close()
+            self.broken = True
+            raise WarmSpawnError(f"the warm spawner is gone ({exc})") from exc
+        finally:
+            theirs.close()
+        if not msg:
+            ours.close()
+            self.broken = True
+            raise WarmSpawnError("the warm spawner did not answer" if not r else "the warm spawner exited")
+        reply = json.loads(msg)
+        if "pid" not in reply:
+            ours.close()
+            raise WarmSpawnError(f"the warm spawner failed: {reply.get('error')}")
+        return int(reply["pid"]), ours
+
     def close(self) -> None:
         """Stop the zygote (EOF on its socket), killing it if it does not exit at once (it may be importing;
         the workers it forked are in sessions of their own and not affected)."""

@@ -16,6 +16,7 @@ from hyperpodrun import safe_fs
 from hyperpodrun.agent import warm_spawner
 from hyperpodrun.agent.ports import Events, RendezvousInfo, SpawnRequest, WorkerSource
 from hyperpodrun.agent.sources import ColdSpawn, WarmFork
+from hyperpodrun.agent.standby import StandbyPool
 from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
@@ -79,7 +80,9 @@ class WorkerLauncher:
                              usable=subreaper and warm_spawner.enabled() and not cfg.module and not cfg.no_python)
         if standby is not None:        # started while this agent waited as a hot spare: its imports are done
             self.warm.spawner = standby
-        self.fast: list[WorkerSource] = [self.warm]   # tried first for a respawn
+        self.standbys = StandbyPool(sup, events, self.warm, cfg.standby_workers, cfg.nproc_per_node, self.base_env)
+        # tried first for a respawn, in this order
+        self.fast: list[WorkerSource] = [self.standbys, self.warm] if cfg.standby_workers else [self.warm]
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
         self._streams: dict[int, list[int]] = {}   # pid -> its tee streams (pipes)
 
@@ -168,24 +171,30 @@ class WorkerLauncher:
         self._streams[proc.pid] = streams
         if self.on_spawn is not None:
             self.on_spawn(local_rank, proc.pid)
-        warmed = proc.source == self.warm.name
-        self.events.emit("worker_start", f"rank {who.rank} started (pid {proc.pid}, generation {generation}"
-                         f"{', forked warm' if warmed else ''})", rank=who.rank, pid=proc.pid, generation=generation,
-                         warm=warmed, level=logging.DEBUG)
+        warmed = proc.source != self.cold.name
+        how = {self.warm.name: ", forked warm", self.standbys.name: ", from a standby"}.get(proc.source, "")
+        self.events.emit("worker_start", f"rank {who.rank} started (pid {proc.pid}, generation {generation}{how})",
+                         rank=who.rank, pid=proc.pid, generation=generation, warm=warmed, source=proc.source,
+                         level=logging.DEBUG)
         return proc
 
     def start_warm_spawner(self) -> None:
-        """Start the zygote that forks respawned workers (agent/sources.py, WarmFork)."""
+        """Start the zygote that forks respawned workers (agent/sources.py, WarmFork) and, once it is ready, the
+        standbys it forks (agent/standby.py)."""
+        self.standbys.stopped = False
         self.warm.start()
 
     def poll_warm_spawner(self) -> None:
         self.warm.poll()
+        self.standbys.poll()
 
     def end_warm_spawner(self) -> None:
-        """The job completed: no respawn is coming, the zygote goes at once."""
+        """The job completed: no respawn is coming, the standbys and the zygote go at once."""
+        self.standbys.stop()
         self.warm.end()
 
     def stop_warm_spawner(self) -> None:
+        self.standbys.stop()
         self.warm.stop()
 
     def spawn_all(self, generation: int, store_port: int, warm: bool = False) -> None:

@@ -7,8 +7,10 @@ import opened the GPU driver: a fork could not use CUDA), and then answers each 
 with the worker's stdout and stderr descriptors attached - by forking twice: the worker is the grandchild,
 re-parented to the agent (a subreaper) when the middle process exits, so the agent waits for it as for any
 worker. The worker gets its own session, the request's environment, directory and descriptors, and runs the
-script as `python -u script args` would, in a process that has the imports done already. EOF on the socket
-(the agent is gone or done) ends this process.
+script as `python -u script args` would, in a process that has the imports done already. A request
+{"standby": true, "local_rank": k} with one descriptor - the standby's own socket - forks a standby instead
+(`stand_by`): it makes its GPU's CUDA context and waits on that socket for the rank it becomes. EOF on the
+socket (the agent is gone or done) ends this process.
 """
 from __future__ import annotations
 
@@ -115,6 +117,34 @@ def serve(sock: socket.socket) -> Optional[tuple[dict[str, Any], list[int]]]:
         os.waitpid(middle, 0)
 
 
+def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any], list[int]]]:
+    """A standby (agent/standby.py): make the CUDA context of local rank `req["local_rank"]`'s GPU where there is
+    one, report {"ready": true} on the standby's own socket, then wait there for the rank to become - a
+    request like the zygote's, answered {"ok": true} - and return it; None at EOF (not needed any more)."""
+    chan = socket.socket(fileno=chan_fd)
+    info: dict[str, Any] = {"ready": True, "pid": os.getpid(), "cuda": False}
+    try:
+        import torch
+        if torch.cuda.is_available():
+            device = int(req.get("local_rank", 0)) % torch.cuda.device_count()
+            torch.cuda.set_device(device)
+            torch.zeros(1, device=f"cuda:{device}")   # the context, made now rather than after the fault
+            info.update(cuda=True, device=device)
+    except Exception as exc:   # no usable GPU here: a standby still saves the fork and the imports
+        info["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        chan.send(json.dumps(info).encode())
+        msg, fds, _, _ = socket.recv_fds(chan, 1 << 20, 2)
+    except OSError:
+        return None
+    if not msg:
+        return None
+    task = json.loads(msg)
+    chan.send(b'{"ok": true}')
+    chan.close()
+    return task, fds
+
+
 def become_worker(req: dict[str, Any], fds: list[int]) -> str:
     """Set this process up as `python -u script` started by the agent would be; returns the script path."""
     os.setsid()
@@ -147,6 +177,10 @@ def main() -> None:
     task = serve(sock)
     if task is None:
         return
+    if task[0].get("standby"):
+        task = stand_by(task[0], task[1][0])
+        if task is None:
+            os._exit(0)
     script = become_worker(*task)
     del task
     runpy.run_path(script, run_name="__main__")

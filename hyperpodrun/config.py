@@ -247,6 +247,8 @@ class LaunchConfig(BaseModel):
     heartbeat_timeout: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     progress_timeout: Optional[float] = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     max_step_failures: int = Field(3, ge=1, le=MAX_COUNT)
+    # processes started ahead per local rank slot that become a rank which died (agent/standby.py)
+    standby_workers: int = Field(0, ge=0, le=8)
     # node membership (agent/membership.py): a node whose agent is silent this long is lost; a lost node's
     # replacement (the same command started again) is awaited this long
     node_timeout: float = Field(DEFAULT_NODE_TIMEOUT_S, ge=MIN_NODE_TIMEOUT_S, le=MAX_TIMEOUT_S, allow_inf_nan=False)
@@ -350,6 +352,12 @@ class LaunchConfig(BaseModel):
         if self.node_rank is not None and self.node_rank >= self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}; use 0..{self.nnodes - 1}")
+        if self.standby_workers and not self.inprocess_restart:
+            raise ConfigError(f"--standby-workers {self.standby_workers} needs --inprocess-restart (a standby "
+                              "becomes a rank that died during an in-process restart); add it or drop the flag")
+        if self.standby_workers and (self.module or self.no_python):
+            raise ConfigError(f"--standby-workers {self.standby_workers} needs a script entry point (python "
+                              "script.py): a standby runs the script; drop -m/--no-python or the flag")
         if self.inprocess_restart:
             if not self.heartbeat_interval < self.heartbeat_timeout:
                 raise ConfigError(

@@ -14,8 +14,11 @@ from conftest import HYPERPODRUN, Launcher, Proc, Result, read_events, script, w
 TRAIN = script("inproc_train.py")
 
 #: short timeouts: heartbeats every 0.5 s, a silent rank is hung after 3 s, a round escalates after 20 s
+#: HYPERPODRUN_TEST_STANDBY_WORKERS=N runs the in-process jobs with N standbys per local rank (standbys on)
+STANDBY = ["--standby-workers", os.environ["HYPERPODRUN_TEST_STANDBY_WORKERS"]] \
+    if os.environ.get("HYPERPODRUN_TEST_STANDBY_WORKERS") else []
 FAST = ["--inprocess-restart", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3",
-        "--inprocess-timeout", "20"]
+        "--inprocess-timeout", "20", *STANDBY]
 
 #: HYPERPODRUN_RESTART_GRACE_S of every Job unless a test gives its own: above inproc_train.py's --pg-timeout
 #: (10 s). When a peer is killed while a rank's gloo thread sends to it, gloo can leave that send waiting until the

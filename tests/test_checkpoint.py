@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_same_ckpt_state as assert_same
+from inprocess_helpers import STANDBY   # HYPERPODRUN_TEST_STANDBY_WORKERS=N: the jobs run with standbys on
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "scripts", "ckpt_worker.py")
@@ -28,7 +29,7 @@ def run_job(tmp_path, name: str, mode: str, faults: str = "", extra_env: dict | 
 
 
 def launch(tmp_path, name: str, worker: str, worker_env: dict, timeout: float = 240,
-           inprocess_timeout: int = 60) -> tuple[int, str, str]:
+           inprocess_timeout: int = 60, flags: tuple = (), started=None) -> tuple[int, str, str]:
     """Run `worker` on 4 ranks under `hyperpodrun --inprocess-restart` with OUT_DIR=tmp_path/name:
     (exit code, OUT_DIR, the agent's stderr)."""
     out = tmp_path / name
@@ -36,8 +37,10 @@ def launch(tmp_path, name: str, worker: str, worker_env: dict, timeout: float = 
     env = dict(os.environ, OUT_DIR=str(out), HYPERPODRUN_SHM_DIR=str(tmp_path / "shm"), **worker_env)
     cmd = [HYPERPODRUN, "--nproc-per-node", "4", "--inprocess-restart", "--heartbeat-interval", "0.5",
            "--heartbeat-timeout", "10", "--inprocess-timeout", str(inprocess_timeout),
-           "--log-dir", str(tmp_path / f"logs-{name}"), "--rdzv-id", name, worker]
+           "--log-dir", str(tmp_path / f"logs-{name}"), "--rdzv-id", name, *(flags or STANDBY), worker]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if started is not None:   # the test acts on the running job (e.g. kills the agent)
+        started(proc)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
