@@ -9,7 +9,9 @@ never returns: no step, no collective):
                  is chosen by Young/Daly, K = sqrt(2 C M) / step, from the save cost C and the step time
                  measured by a calibration run and the schedule's mean time between faults M (reported)
   hpr-process    hyperpodrun --max-restarts N (process level), the same checkpoints
-  hpr-inprocess  hyperpodrun --inprocess-restart --progress-timeout, HPWrapper + CheckpointManager (memory)
+  hpr-inprocess  hyperpodrun --inprocess-restart --standby-workers 1 --progress-timeout, HPWrapper +
+                 CheckpointManager (memory; the model and optimizer outside the wrapped function, so that
+                 survivors keep theirs)
   nvrx           NVIDIA Resiliency Extension's inprocess.Wrapper as its basic example starts it, under torchrun
                  --max-restarts N, the same checkpoints (it restarts in-process on an exception and a hang; a
                  dead process it cannot replace in-process: torchrun restarts every worker)
@@ -91,7 +93,8 @@ def command(system: str, a: argparse.Namespace, port: int, log_dir: Path, restar
             "--master-port", str(port)]
     if system == "hpr-process":
         return [*base, "--max-restarts", str(restarts), str(WORKER)]
-    return [*base, "--inprocess-restart", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
+    return [*base, "--inprocess-restart", "--standby-workers", "1", "--heartbeat-interval", "0.5",
+            "--heartbeat-timeout", "5",
             "--progress-timeout", str(a.hang_timeout), "--inprocess-timeout", "60", str(WORKER)]
 
 
