@@ -54,9 +54,8 @@ def hyperpodrun(tmp_path, name: str, nproc: int, env_extra: dict, timeout: float
     return _run(cmd, tmp_path / name, env_extra, timeout)
 
 
-def torchrun(tmp_path, name: str, nproc: int, env_extra: dict, timeout: float = 120,
-             flags: tuple[str, ...] = ()) -> tuple[int, str, str]:
-    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *flags, WORKER]
+def torchrun(tmp_path, name: str, nproc: int, env_extra: dict, timeout: float = 120) -> tuple[int, str, str]:
+    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), WORKER]
     return _run(cmd, tmp_path / name, env_extra, timeout)
 
 
@@ -164,15 +163,17 @@ def test_trainer_recovers_bitwise_exact(tmp_path, reference, config, faults):
 
 
 @pytest.mark.slow
-def test_torchrun_process_restart_resumes_from_local_snapshots(tmp_path, reference):
-    """Plain torchrun (no HPWrapper restarts): an exception mid-accumulation ends the workers, torchrun starts
-    them again, and the new processes restore from the snapshots the old ones left in shared memory."""
+def test_process_level_restart_resumes_from_local_snapshots(tmp_path, reference):
+    """Without --inprocess-restart HPWrapper only calls the function: an exception mid-accumulation ends the
+    workers, the launcher starts them again (--max-restarts), and the new processes restore from the snapshots
+    the old ones left in shared memory - bitwise equal to the fault-free torchrun run."""
     nproc, env = CONFIGS["B"]
     step = _rng.choice([3, 4])
-    rc, out, err = torchrun(tmp_path, "restarted", nproc, {**env, "FAULTS": f"raise:{_rng.randrange(2)}:{step}:1"},
-                            timeout=180, flags=("--max-restarts", "1"))
+    cmd = [HYPERPODRUN, "--nproc-per-node", str(nproc), "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"),
+           "--rdzv-id", "restarted", WORKER]
+    rc, out, err = _run(cmd, tmp_path / "restarted", {**env, "FAULTS": f"raise:{_rng.randrange(2)}:{step}:1"}, 180)
     info = f"step {step} seed={SEED}\n{err[-3000:]}"
-    assert rc == 0, info
+    assert rc == 0 and "process-level restart 1/1" in err, info
     assert result(out, 0)["restored_step"] in (step - 1, step), info
     assert_same(reference("B"), out, nproc, info)
 
