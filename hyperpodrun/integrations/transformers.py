@@ -109,6 +109,18 @@ def _find_trainer(callback: Any) -> Any:
                                  "(on_train_begin was called from outside Trainer.train())")
 
 
+def _refuse_early_group() -> None:
+    """Under --inprocess-restart, a process group that existed before the HPWrapper function ran cannot be
+    created again at a restart (a respawned rank would wait in it for good): end the job with what to move."""
+    from hyperpodrun.runtime.torch_state import group_before_wrapper
+    from hyperpodrun.runtime.wrapper import inprocess_enabled
+    if inprocess_enabled() and group_before_wrapper():
+        raise SetupOrderError(
+            "CheckpointlessTrainerCallback: the process group was created before the HPWrapper function ran "
+            "(TrainingArguments or HfArgumentParser.parse_args_into_dataclasses() at module level creates it), "
+            "so a restart cannot create it again: move that call into the wrapped function")
+
+
 def _callback_states(trainer: Any) -> dict[str, list[dict]]:
     states: dict[str, list[dict]] = {}
     for cb in trainer.callback_handler.callbacks:
@@ -214,19 +226,13 @@ class CheckpointlessTrainerCallback(TrainerCallback):
 
     def __init__(self, checkpoint_manager: Any, save_every: int = 1) -> None:
         from hyperpodrun.runtime.checkpoint import CheckpointManager
-        from hyperpodrun.runtime.torch_state import group_before_wrapper
-        from hyperpodrun.runtime.wrapper import inprocess_enabled
         if not isinstance(checkpoint_manager, CheckpointManager):
             raise ApiTypeError(f"CheckpointlessTrainerCallback(checkpoint_manager={type(checkpoint_manager).__name__})"
                                ": needs the CheckpointManager given to HPWrapper(checkpoint_manager=...)")
         if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
             raise ApiValueError(f"CheckpointlessTrainerCallback(save_every={save_every!r}): an int >= 1 "
                                 "(optimizer steps)")
-        if inprocess_enabled() and group_before_wrapper():
-            raise SetupOrderError(
-                "CheckpointlessTrainerCallback: the process group was created before the HPWrapper function ran "
-                "(TrainingArguments or HfArgumentParser.parse_args_into_dataclasses() at module level creates it), "
-                "so a restart cannot create it again: move that call into the wrapped function")
+        _refuse_early_group()
         self.checkpoint_manager = checkpoint_manager
         self.save_every = save_every
         #: the step restored from memory by the last train() (None: a fresh start or a disk checkpoint)
@@ -245,11 +251,13 @@ class CheckpointlessTrainerCallback(TrainerCallback):
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from hyperpodrun.runtime.state_dicts import rng_state
+        _refuse_early_group()          # also when the callback itself was built before the wrapped function
         trainer = _find_trainer(self)
         _check_internals(trainer)
         self._install(trainer)
         self._state = self.state_of(trainer)
-        self._restored = self._resume = None
+        self._restored = self._resume = self._rng = None
+        self._epoch_ending = False     # a fault may have come between on_epoch_end and the epoch's last log
         self.restored_step = self.checkpoint_manager.restore(self._state)
         if self.restored_step is not None and self._restored is not None:
             self._rng = rng_state()          # as restored: given back where the Trainer reloads a checkpoint's RNG
