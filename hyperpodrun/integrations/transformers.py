@@ -31,9 +31,15 @@ fails with one MissingDependencyError naming it, never with silently wrong resul
   of an epoch (or of training) is saved after the epoch's end (on_epoch_end and its log/evaluate/save).
 - on_step_begin reports `state.global_step` as the progress the agent watches.
 
+TrainingArguments creates the process group when it is built: built before the wrapped function (module
+level, HfArgumentParser), the group cannot be created again at a restart, so under --inprocess-restart the
+callback refuses it (SetupOrderError). Without --inprocess-restart (plain python, torchrun, process-level
+restarts) HPWrapper calls the function once and the saves are CheckpointManager's local snapshots: removed
+at exit under plain python, restored from by the workers a launcher starts again.
+
 Limits: exact with the rank's own memory (in-process restart, or a respawned rank on the same node). From a
-replica peer's memory a rank gets that peer's RNG and its share of the not yet logged loss. The callbacks
-of epochs already completed see on_epoch_begin again (no training, no on_epoch_end) at a restore.
+replica peer's memory a rank gets that peer's RNG and its share of the not yet logged loss. At a restore,
+callbacks see on_epoch_begin again for the epochs already completed (no training, no on_epoch_end).
 """
 from __future__ import annotations
 
