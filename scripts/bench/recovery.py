@@ -16,6 +16,11 @@ never returns: no step, no collective):
                  --max-restarts N, the same checkpoints (it restarts in-process on an exception and a hang; a
                  dead process it cannot replace in-process: torchrun restarts every worker)
 
+With --node-loss RUNS (CPU, as root) also a node loss: scripts/bench/node_loss.py's 2 nodes x 2 ranks on this
+machine, node 1 killed whole (its agent, workers and shared memory), under torchrun (node 1 started again,
+the checkpoint reloaded), hyperpodrun in-process (node 1 started again) and hyperpodrun with a hot spare -
+that script's own worker, so its rows compare the systems with each other, not with the rows above.
+
 Per system and fault kind: downtime (fault -> every rank completed a step after its restart), steps lost
 (steps completed before the fault and done again), goodput (the fault-free time of every step / wall time
 from the first entry to the last step, checkpoint cost included); medians with min-max over the faults; for
@@ -35,6 +40,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -96,6 +102,44 @@ def command(system: str, a: argparse.Namespace, port: int, log_dir: Path, restar
     return [*base, "--inprocess-restart", "--standby-workers", "1", "--heartbeat-interval", "0.5",
             "--heartbeat-timeout", "5",
             "--progress-timeout", str(a.hang_timeout), "--inprocess-timeout", "60", str(WORKER)]
+
+
+#: node loss (--node-loss): scripts/bench/node_loss.py's scenarios, as rows of this table
+NODE_SYSTEMS = {"torchrun": "torchrun", "hpr-replace": "hpr-inprocess", "hpr-spare": "hpr-inprocess (hot spare)"}
+
+
+def node_loss_rows(runs: int, tmp: Path) -> list[dict[str, Any]]:
+    """Kind "node": 2 nodes x 2 ranks on this machine, node 1 killed whole (its agent, workers and shared memory:
+    own pid and mount namespaces, as root), `runs` times per system (scripts/bench/node_loss.py: its own worker,
+    a DDP MLP with a torch.save checkpoint every 10 steps under torchrun, CheckpointManager under hyperpodrun)."""
+    why = None
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        why = "needs root and unshare (each node in its own pid and mount namespaces)"
+    rows: list[dict[str, Any]] = []
+    if why is None:
+        sys.path.insert(0, str(HERE))
+        import node_loss   # noqa: E402 (a sibling script)
+        for scenario, system in NODE_SYSTEMS.items():
+            faults, codes = [], []
+            for i in range(runs):
+                where = tmp / f"node-{scenario}-{i}"
+                where.mkdir(parents=True)
+                try:
+                    res = node_loss.run_one(scenario, where)
+                except Exception as exc:   # one failed run is reported, not fatal to the others
+                    res = {"ok": False, "error": str(exc), "exit_codes": [-1]}
+                codes += res.get("exit_codes", [])
+                faults.append({"downtime_s": res.get("recovery_s") if res.get("ok") else None,
+                               "steps_lost": res.get("steps_redone") or 0})
+                print(f"{system:14s} node   run {i}: {res.get('recovery_s')}", flush=True)
+            rows.append({"system": system, "kind": "node", "faults": faults, "goodput": None,
+                         "ok": all(f["downtime_s"] is not None for f in faults),
+                         "exit_code": next((c for c in codes if c), 0)})
+    rows.append({"system": "nvrx", "kind": "node", "skipped": why or "not run: its in-process Wrapper cannot "
+                 "replace a lost node (torchrun restarts every worker: the torchrun row)"})
+    if why is not None:
+        rows += [{"system": s, "kind": "node", "skipped": why} for s in NODE_SYSTEMS.values()]
+    return rows
 
 
 def ckpt_dir(a: argparse.Namespace, out: Path) -> Path:
@@ -332,6 +376,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hang-timeout", type=float, default=3.0, help="hang detection: --progress-timeout, NVRx "
                     "soft timeout, the process group timeout of the process-level systems")
     ap.add_argument("--job-timeout", type=float, default=240.0)
+    ap.add_argument("--node-loss", type=int, default=0, metavar="RUNS",
+                    help="also a node loss (CPU, 2 nodes x 2 ranks on this machine, as root), RUNS times per system "
+                    "(scripts/bench/node_loss.py's job; not part of --quick)")
     ap.add_argument("--ckpt-dir", default=None, help="where the torch.save checkpoints go (default: the job's "
                     "temporary folder; --gpu: /dev/shm, the fastest place there - in the checkpointing systems' favour)")
     ap.add_argument("--offload", action="store_true", help="hyperpodrun in-process: CheckpointManager("
@@ -397,6 +444,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 results.append(res)
                 down = [f["downtime_s"] for f in res["faults"] if f["downtime_s"] is not None]
                 print(f"{system:14s} {kind:6s} ok={res['ok']} downtime {spread(down)} s", flush=True)
+        if a.node_loss:
+            results += node_loss_rows(a.node_loss, tmp)
         params = a.layers * (a.dim * a.dim + a.dim)
         meta = {"mode": "gpu" if a.gpu else "tiny" if a.tiny else "quick" if a.quick else "cpu",
                 "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, Python "
