@@ -18,6 +18,7 @@ import torch
 from conftest import SCRIPTS, assert_same_ckpt_state as assert_same_state, free_port, wait_until
 from nodes import Node, unavailable
 from hyperpodrun.errors import EXIT_FENCED
+from inprocess_helpers import STANDBY   # HYPERPODRUN_TEST_STANDBY_WORKERS=N: standbys on
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -25,7 +26,7 @@ WORKER = str(SCRIPTS / "ckpt_worker.py")
 STEPS = 60
 KILL_AT = 20
 FAST = ["--nproc-per-node", "2", "--inprocess-restart", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3",
-        "--inprocess-timeout", "30", "--node-timeout", "3", "--replace-timeout", "60"]
+        "--inprocess-timeout", "30", "--node-timeout", "3", "--replace-timeout", "60", *STANDBY]
 
 
 class Cluster:
