@@ -444,6 +444,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 results.append(res)
                 down = [f["downtime_s"] for f in res["faults"] if f["downtime_s"] is not None]
                 print(f"{system:14s} {kind:6s} ok={res['ok']} downtime {spread(down)} s", flush=True)
+                # what is done so far survives a run cut short (a command's time limit on the GPU machine)
+                (out / "partial.json").write_text(json.dumps({"results": results}, indent=1))
         if a.node_loss:
             results += node_loss_rows(a.node_loss, tmp)
         params = a.layers * (a.dim * a.dim + a.dim)
