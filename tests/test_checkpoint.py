@@ -226,8 +226,8 @@ def test_survivors_keep_their_own_state_unless_it_moved_past_the_restored_step(t
     assert how[r2][2] == "shm", f"rank {r2} had stepped past the committed step but kept its state: {how}\n{info}"
     assert how[r3][3] == "shm", f"the replacement of rank {r3} did not load its snapshot: {how}\n{info}"
     # the survivors of the SIGKILL keep or copy depending on where each was: one interrupted before its
-    # optimizer step keeps its state; one that had stepped copies back; and a save still in flight when the
-    # restart came is dropped, which moves the committed step one back for everybody (a timing, not a rule)
+    # optimizer step keeps its state; one that had stepped copies back; and where the victim died before its
+    # newest save was sealed, the committed step is one back for everybody (a timing, not a rule)
     assert all(how[r][3] in ("live", "shm") for r in range(4)), f"{how}\n{info}"
 
 

@@ -125,6 +125,7 @@ class CheckpointManager:
         self.restored_from: Optional[str] = None
         self._peers: Optional[PeerCopies] = None
         self._exit_hook = False
+        self._inflight: Optional[tuple[io.Staged, dict[str, bool]]] = None   # the snapshot being copied
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -138,6 +139,9 @@ class CheckpointManager:
         before the function runs (`session`: the process's control session, None outside
         --inprocess-restart)."""
         self._caller, self._session = caller, session
+        on_abort = getattr(session, "on_abort", None)
+        if callable(on_abort):
+            on_abort(self._judge_inflight)
         if self._first_iteration is None:
             self._first_iteration = int(getattr(caller, "iteration", 0))
         self._layouts.reset()
@@ -247,9 +251,14 @@ class CheckpointManager:
 
         session = self._session
         generation = getattr(self._caller, "iteration", 0)
+        verdict: dict[str, bool] = {}      # "final": what the copies read was complete when an abort began
+        self._inflight = (staged, verdict)
 
         def no_restart_since() -> bool:
-            return getattr(session, "restart_seen", -1) <= generation
+            # a restart since this save drops it unless its data was final before the first abort: then the
+            # copy holds the committed state whatever the abort does to the work queued after it (a survivor
+            # and a raising rank keep the step they completed: nothing lost, nothing copied back)
+            return getattr(session, "restart_seen", -1) <= generation or verdict.get("final", False)
 
         def copied() -> bool:
             if io.finish_copies(view, staged, no_restart_since):
@@ -258,6 +267,7 @@ class CheckpointManager:
             return False
 
         def sealed() -> None:
+            self._inflight = None
             io.seal(view, staged)
             self.last_saved = step
             self._live = live
@@ -270,6 +280,13 @@ class CheckpointManager:
             self._writer.start(copied, sealed)
         elif copied():
             sealed()
+
+    def _judge_inflight(self) -> None:
+        """Called when an abort begins (before it touches a communicator): whether the snapshot still being
+        copied read finished data. Judged once per snapshot: the first abort decides."""
+        inflight = self._inflight
+        if inflight is not None and "final" not in inflight[1]:
+            inflight[1]["final"] = io.data_final(inflight[0])
 
     def _install_step_barrier(self) -> None:
         """The optimizer step changes what an offloaded snapshot copies: it waits for the copy first (not for

@@ -8,6 +8,7 @@ main thread (HPWrapper's generation loop, hyperpodrun/runtime/wrapper.py) waits 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from typing import Any, Callable, ClassVar, Optional
@@ -17,6 +18,8 @@ from hyperpodrun import protocol as P
 from hyperpodrun.errors import OutOfOrderError
 from hyperpodrun.runtime.abort import park_process_groups
 from hyperpodrun.runtime.inject import Injector, execute
+
+log = logging.getLogger(__name__)
 from hyperpodrun.runtime.interrupt import Interrupter
 from hyperpodrun.runtime.torch_state import _abort_nccl_from_monitor, _collective_seq, _device_ids, _main_stack
 
@@ -42,6 +45,7 @@ class Session:
         self.device: dict[str, Any] = _device_ids()   # GPU UUID / PCI bus id, once CUDA is initialised
         self.interrupter = Interrupter()
         self.restart_seen = -1     # highest generation a RESTART named (set before any abort)
+        self._before_abort: list[Callable[[], None]] = []
         self.interrupter.install_optimizer_hooks()
         _park_on_destroy()
         self.injector = Injector()
@@ -77,9 +81,24 @@ class Session:
             status["stack"] = _main_stack()   # a restart is under way: where this rank is, should it not get READY
         return status
 
+    def on_abort(self, callback: Callable[[], None]) -> None:
+        """Call `callback` whenever an abort is about to begin (a RESTART arrived, or this rank failed),
+        before any communicator is touched; registered once per callback."""
+        if callback not in self._before_abort:
+            self._before_abort.append(callback)
+
+    def aborting(self) -> None:
+        """An abort begins: run the on_abort callbacks (a failing one is logged, never raised)."""
+        for callback in list(self._before_abort):
+            try:
+                callback()
+            except Exception as exc:
+                log.warning("rank %d: an on_abort callback failed: %r", self.rank, exc)
+
     def _on_command(self, msg: P._Msg) -> None:
         if isinstance(msg, P.Restart):
             self.reason = msg.reason
+            self.aborting()
             # before the abort: a snapshot whose copy completes from here on may hold aborted work
             self.restart_seen = max(self.restart_seen, msg.generation)
             if msg.generation > self.interrupter.target and self.state == "running":

@@ -58,6 +58,9 @@ class Staged:
     meta: bytes = b""
     tensors: list[tuple[Any, TensorRef, bool]] = field(default_factory=list)   # (source, ref, deferred)
     cuda_event: Any = None
+    #: per device, an event recorded on the compute stream right before the copies: once it has completed,
+    #: what the copies read is final (no pending kernel - an optimizer step, an all-reduce - still writes it)
+    source_events: dict[Any, Any] = field(default_factory=dict)
     data_len: int = 0
     sums: Optional[ChunkSums] = None       # the data chunks' CRC32s, summed as the copies complete
     copied: int = 0                        # tensors[:copied] are in the slot (a prefix: see _copied)
@@ -197,6 +200,10 @@ def copy_now(view: memoryview, staged: Staged, streams: SideStream) -> None:
                 _copied(staged, i)
             elif src.is_cuda:
                 stream = streams.get(src.device)
+                if src.device not in staged.source_events:
+                    source = torch.cuda.Event()
+                    source.record(torch.cuda.current_stream(src.device))
+                    staged.source_events[src.device] = source
                 stream.wait_stream(torch.cuda.current_stream(src.device))
                 with torch.cuda.stream(stream):
                     _dst(view, staged, ref).copy_(src, non_blocking=True)
@@ -242,6 +249,16 @@ def finish_copies(view: memoryview, staged: Staged, valid: Callable[[], bool] = 
         if not ok and staged.sums is not None:
             staged.sums.cancel()
     return ok
+
+
+def data_final(staged: Staged) -> bool:
+    """Whether everything the snapshot's copies read has been computed: host tensors always are; device
+    tensors once the compute stream has passed the point where save() was called. A device that fails to
+    answer counts as not final."""
+    try:
+        return all(bool(event.query()) for event in staged.source_events.values())
+    except Exception:   # a broken CUDA context: the data cannot be trusted
+        return False
 
 
 def seal(view: memoryview, staged: Staged) -> None:

@@ -272,6 +272,7 @@ class HPWrapper:
     def _abort(self, sess: Session) -> float:
         """Run abort within abort_timeout; past it this process cannot recover and exits to be replaced."""
         t0 = time.monotonic()
+        sess.aborting()
         box: dict = {}
 
         def run() -> None:
