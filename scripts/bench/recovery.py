@@ -309,7 +309,7 @@ def draw(results: list[dict[str, Any]], kind: str, path: Path) -> None:
     rows = [r for r in results if r["kind"] == kind and not r.get("skipped") and r.get("steps")]
     if not rows:
         return
-    colours = {**timeline.COLOURS, "recovery": "#cccccc", "lost work": "#000000"}
+    colours = {**timeline.COLOURS, "recovery": "#cccccc", "checkpoint": "#f4a261", "lost work": "#000000"}
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.2 + 1.0 * len(rows) * max(1, len({s["rank"] for s in rows[0]["steps"]})) / 2),
                              squeeze=False)
     used: set[str] = set()
@@ -329,7 +329,10 @@ def draw(results: list[dict[str, Any]], kind: str, path: Path) -> None:
                     gap = s["t"] - prev_t
                     phase = "lost work" if s["step"] <= best else "training"
                     if gap > 5 * (r["step_s"] or 1):
-                        segs.append((rank, "recovery", prev_t, s["t"] - (r["step_s"] or 0)))
+                        # a stall with no fault in it is a checkpoint save (the only other pause in the job)
+                        stall = "recovery" if any(prev_t - 0.5 <= f["t"] <= s["t"] for f in r["faults"]) \
+                            else "checkpoint"
+                        segs.append((rank, stall, prev_t, s["t"] - (r["step_s"] or 0)))
                         prev_t = s["t"] - (r["step_s"] or 0)
                     segs.append((rank, phase, prev_t, s["t"]))
                     best, prev_t = max(best, s["step"]), s["t"]
@@ -343,7 +346,7 @@ def draw(results: list[dict[str, Any]], kind: str, path: Path) -> None:
         ax.invert_yaxis()
         ax.set_title(f"{r['system']} - {kind}", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("seconds since the job's first training entry (red: faults)")
-    order = [p for p in (*timeline.COLOURS, "recovery", "lost work") if p in used]
+    order = [p for p in (*timeline.COLOURS, "recovery", "checkpoint", "lost work") if p in used]
     fig.legend(handles=[Patch(color=colours[p], label=p) for p in order], loc="lower center", ncol=len(order),
                frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
