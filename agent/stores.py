@@ -42,7 +42,7 @@ def open_tcp_store(host: str, port: int, *, server: bool, timeout_s: float, wait
             return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
                                  wait_for_workers=wait_for_workers, multi_tenant=False)
         if not bind:
-            raise ValueError("a store server needs the address to listen on")
+            raise RendezvousError(f"cannot serve the coordination store on port {port}: no address to listen on")
         sock = netaddr.listen_socket(bind, port)
         port = sock.getsockname()[1]
         fd = sock.detach()                      # the store owns the descriptor from here and closes it

@@ -72,9 +72,9 @@ def gpu_driver_opened() -> bool:
 
 def prewarm(script: str) -> list[str]:
     """Import the configured modules; returns those that failed (they are imported by the worker instead)."""
-    configured = os.environ.get("HYPERPODRUN_WARM_IMPORTS")
-    names = [m.strip() for m in configured.split(",")] if configured is not None else \
-        [*DEFAULT_IMPORTS, *script_imports(script)]
+    from hyperpodrun import settings   # HYPERPODRUN_WARM_IMPORTS, read where every setting is (the agent checked it)
+    configured = settings.current().warm_imports
+    names = list(configured) if configured is not None else [*DEFAULT_IMPORTS, *script_imports(script)]
     failed = []
     for name in dict.fromkeys(filter(None, names)):
         try:

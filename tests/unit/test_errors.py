@@ -52,6 +52,25 @@ def test_everything_raised_on_purpose_is_a_hyperpodrun_error() -> None:
     assert not stray, f"raise a class of hyperpodrun/errors.py instead: {stray}"
 
 
+def test_everything_the_agent_raises_on_purpose_is_a_hyperpodrun_error() -> None:
+    """The same for hyperpodrun.agent (agent/): a raised name is looked up in the module that raises it (its own
+    classes, IllegalTransition or WarmSpawnError, derive from HyperpodrunError too)."""
+    import hyperpodrun.agent
+    factories = {"_fail": "DeviceQueryError"}   # nvml_backend: builds the DeviceQueryError it is raised with
+    stray = {}
+    for path in sorted(Path(hyperpodrun.agent.__file__).parent.glob("*.py")):
+        module = importlib.import_module(f"hyperpodrun.agent.{path.stem}") if path.stem != "__init__" else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                func = node.exc.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "?")
+                name = factories.get(name, name)
+                cls = getattr(module, name, None) or getattr(errors, name, None)
+                if name not in NOT_OURS and not (isinstance(cls, type) and issubclass(cls, errors.HyperpodrunError)):
+                    stray.setdefault(name, []).append(f"agent/{path.name}:{node.lineno}")
+    assert not stray, f"raise a class of hyperpodrun/errors.py (or one derived from HyperpodrunError): {stray}"
+
+
 def test_every_class_of_the_hierarchy_derives_from_hyperpodrun_error() -> None:
     classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
     assert len(classes) > 20

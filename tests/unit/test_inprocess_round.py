@@ -1,7 +1,8 @@
 """The in-process round, transition by transition, on fake ports and a fake clock: fault -> RESTART -> READY
 from every rank -> GO; a rank dying during the round; folded secondary faults; a generation moved by another
-node; escalation on --inprocess-timeout (with and without budget); completion; ranks that cannot be reached
-on the control socket."""
+node (also one beyond the round under way: the round restarts towards it); escalation on --inprocess-timeout
+(with and without budget); completion; ranks that cannot be reached on the control socket; a fault that is not
+retried and the same step failing --max-step-failures times (the round ends the job)."""
 from __future__ import annotations
 
 import signal
@@ -10,7 +11,7 @@ from fakes import Harness, config, job
 
 from hyperpodrun import protocol as P
 from hyperpodrun.agent.state import Phase
-from hyperpodrun.errors import EXIT_RESTARTS_EXHAUSTED
+from hyperpodrun.errors import EXIT_RESTARTS_EXHAUSTED, EXIT_STEP_KEEPS_FAILING
 
 
 def running(**overrides: object) -> Harness:
@@ -255,3 +256,68 @@ def test_the_restart_grace_setting_overrides_the_default(monkeypatch):
     """HYPERPODRUN_RESTART_GRACE_S: a longer wait (above a gloo group's timeout, say) before the kill."""
     monkeypatch.setenv("HYPERPODRUN_RESTART_GRACE_S", "25")
     _stuck_after_restart(running(), 25)
+
+
+# ------------------------------------------------------------------ a round replaced, fatal faults, the step guard
+def test_a_generation_beyond_the_round_under_way_restarts_the_round_towards_it():
+    """RESTARTING -> RESTARTING: node 0 is in its round towards generation 1 when node 1, whose GO to a rank
+    failed, has claimed generation 2; node 0's watcher sees 2 before its loop sent GO(1)."""
+    n0, n1 = job(2, inprocess_restart=True, max_restarts=1)
+    n0.start(), n1.start()
+    n0.hello_all(), n1.hello_all()
+    n1.fault(1, generation=0)
+    n0.sync()
+    assert n0.phase is Phase.RESTARTING and n0.inproc is not None and n0.inproc.round is not None
+    assert n0.inproc.round.target == 1
+    n0.ready_all(1), n1.ready_all(1)
+    n0.tick()                                        # node 0 counts itself ready; node 1 not yet
+    n1.control.unreachable.add(n1.ident(1))
+    n1.tick()                                        # node 1: GO(1) cannot reach rank 3 -> a round towards 2
+    assert n1.phase is Phase.RESTARTING and n1.coord.generation() == 2
+    n0.sync()                                        # before node 0's next tick
+    assert n0.phase is Phase.RESTARTING and n0.inproc.round is not None and n0.inproc.round.target == 2
+    assert [m.generation for _, m in n0.control.of(P.Restart)][-2:] == [2, 2]
+    assert not go_messages(n0)                       # GO(1) never went out here
+    n1.settle()                                      # rank 3 is killed and respawned into generation 2
+    n1.hello(1)
+    n0.ready_all(2), n1.ready_all(2)
+    n0.tick(), n1.tick(), n0.tick()
+    assert n0.phase is n1.phase is Phase.RUNNING and n0.state.generation == n1.state.generation == 2
+    assert [m.generation for m in go_messages(n0)] == [2, 2]
+
+
+def test_a_fault_that_is_not_retried_ends_the_job_during_a_round():
+    """RESTARTING -> STOPPING without escalation: a rank raises one of HPWrapper's fatal exceptions."""
+    h = running()
+    h.fault(1, generation=0)
+    assert h.phase is Phase.RESTARTING
+    h.fault(0, generation=1, retryable=False, exit_code=3, exc="KeyboardInterrupt", summary="stop")
+    assert h.phase is Phase.STOPPING and h.state.exiting and h.sink.named("fault_fatal")
+    assert h.coord.failure() is not None and h.coord.failure().exit_code == 3 and h.coord.restarts_used() == 0
+    h.settle()
+    assert h.phase is Phase.DONE and h.state.exit_code == 3 and not go_messages(h)
+
+
+def test_the_same_step_failing_max_step_failures_times_ends_the_job():
+    h = running(max_step_failures=2)
+    h.fault(1, generation=0, step=5)
+    h.ready_all(1)
+    h.tick()
+    assert h.phase is Phase.RUNNING and h.state.generation == 1          # the first failure of step 5: GO
+    h.fault(1, generation=1, step=5)
+    h.ready_all(2)
+    h.tick()                                                             # the second in a row: no GO(2)
+    assert h.sink.named("step_keeps_failing") and "step 5 failed 2 times in a row" in h.state.first_failure.summary
+    assert h.phase is Phase.STOPPING and [m.generation for m in go_messages(h)] == [1, 1]
+    h.settle()
+    assert h.phase is Phase.DONE and h.state.exit_code == EXIT_STEP_KEEPS_FAILING
+
+
+def test_a_failure_at_another_step_starts_the_count_again():
+    h = running(max_step_failures=2)
+    for gen, step in enumerate((5, 6, 5), start=1):
+        h.fault(1, generation=gen - 1, step=step)
+        h.ready_all(gen)
+        h.tick()
+        assert h.phase is Phase.RUNNING and h.state.generation == gen
+    assert not h.sink.named("step_keeps_failing")

@@ -3,6 +3,8 @@ runtime reads it (hyperpodrun/env.py): each read in one place, each bad value on
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -95,6 +97,44 @@ def test_log_dir_setting_is_the_default_log_dir(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.delenv("PET_LOG_DIR", raising=False)
     monkeypatch.setenv("HYPERPODRUN_LOG_DIR", str(tmp_path))
     assert default_log_dir() == str(tmp_path)
+
+
+#: a literal HYPERPODRUN_* variable read from the environment: os.environ[...], os.environ.get(...), os.getenv(...)
+_ENV_READ = re.compile(r"""(environ\s*(\.\s*get\s*\(|\[)|getenv\s*\()\s*[rbf]?["']HYPERPODRUN_""")
+
+
+def test_no_module_reads_a_setting_from_the_environment_itself() -> None:
+    """Every HYPERPODRUN_* setting is read by hyperpodrun/settings.py (the worker contract by hyperpodrun/env.py),
+    so a bad value is refused once at start-up and a default is written in one place."""
+    import hyperpodrun
+    import hyperpodrun.agent
+    roots = [Path(hyperpodrun.__file__).parent, Path(hyperpodrun.agent.__file__).parent]
+    allowed = {roots[0] / "settings.py", roots[0] / "env.py"}
+    stray = [f"{path}:{n}: {line.strip()}" for root in roots for path in sorted(root.rglob("*.py"))
+             if path not in allowed for n, line in enumerate(path.read_text().splitlines(), 1)
+             if _ENV_READ.search(line)]
+    assert not stray, "read these through hyperpodrun.settings: " + "; ".join(stray)
+    assert _ENV_READ.search('x = os.environ.get("HYPERPODRUN_WARM_IMPORTS")'), "the pattern finds a read"
+
+
+def test_the_zygote_imports_what_the_setting_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyperpodrun.agent import zygote
+    imported: list[str] = []
+
+    def fake_import(name: str) -> None:
+        imported.append(name)
+        if name == "no_such_module":
+            raise ImportError(name)
+    monkeypatch.setattr(zygote.importlib, "import_module", fake_import)
+    monkeypatch.setenv("HYPERPODRUN_WARM_IMPORTS", "json, no_such_module,json")
+    failed = zygote.prewarm("train.py")
+    assert imported == ["json", "no_such_module"] and len(failed) == 1 and failed[0].startswith("no_such_module:")
+    imported.clear()
+    monkeypatch.setenv("HYPERPODRUN_WARM_IMPORTS", "")
+    assert zygote.prewarm("train.py") == [] and imported == [], "empty: nothing imported ahead"
+    monkeypatch.delenv("HYPERPODRUN_WARM_IMPORTS")
+    zygote.prewarm("no-such-script.py")
+    assert imported == list(zygote.DEFAULT_IMPORTS), "unset: the defaults"
 
 
 # ------------------------------------------------------------------------------------------ worker side
