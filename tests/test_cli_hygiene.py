@@ -121,8 +121,10 @@ def test_script_arguments_are_torchruns(argv):
     assert ours == (theirs.training_script, theirs.training_script_args)
 
 
-def test_double_dash_reaches_an_argparse_script_as_under_torchrun(launcher, tmp_path):
-    """`hyperpodrun script.py -- --lr 0.5`: the script's argparse sees --lr 0.5, as under torchrun."""
+@pytest.mark.parametrize("module", [False, True], ids=["script", "module"])
+def test_double_dash_reaches_an_argparse_script_as_under_torchrun(launcher, tmp_path, module):
+    """`hyperpodrun script.py -- --lr 0.5` and `hyperpodrun -m module -- --lr 0.5`: the script's argparse sees
+    --lr 0.5, as under torchrun."""
     path = write_script(tmp_path, "lr.py", """
         import argparse, json, os, sys
         p = argparse.ArgumentParser()
@@ -134,7 +136,8 @@ def test_double_dash_reaches_an_argparse_script_as_under_torchrun(launcher, tmp_
     """)
     got = {}
     for who, cmd in (("hyperpodrun", None), ("torchrun", [TORCHRUN, "--nproc-per-node", "1"])):
-        res = launcher.run([path, "--", "--lr", "0.5", "--", "x"], cmd=cmd, timeout=60,
+        entry = ["-m", "lr"] if module else [path]     # -m: the module is found in the cwd (tmp_path)
+        res = launcher.run([*entry, "--", "--lr", "0.5", "--", "x"], cmd=cmd, timeout=60, cwd=tmp_path,
                            env={"OUT": str(tmp_path), "WHO": who})
         assert res.rc == 0, res
         got[who] = (tmp_path / f"{who}.json").read_text()

@@ -35,7 +35,8 @@ from hyperpodrun.runtime.interrupt import RestartInterrupt
 from hyperpodrun.runtime.session import Session
 from hyperpodrun.runtime.state_dicts import rng_state, set_rng_state
 from hyperpodrun.runtime.torch_state import (_device_ids, _drop_frames, _exit_without_last_collection,
-                                             _preload_torch_modules, _reset_torch_group_counter, _warn_existing_group)
+                                             _preload_torch_modules, _reset_torch_group_counter, _warn_existing_group,
+                                             freeze_before_training)
 from hyperpodrun.symptoms import SECONDARY_MARKERS as _SECONDARY_MARKERS   # shared with the agent
 
 log = logging.getLogger("hyperpodrun.runtime")
@@ -189,6 +190,7 @@ class HPWrapper:
         gen = sess.generation
         need_go = gen > 0
         world: Optional[int] = None       # the world size of the previous call in this process
+        freeze_before_training()
         entry_rng = rng_state()            # every call starts from it: a survivor's re-entry draws what a new
         while True:                        # process would (datasets drawn at setup, an unseeded init)
             previous = world
