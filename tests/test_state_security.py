@@ -338,8 +338,11 @@ def test_successful_job_leaves_nothing_in_shared_memory(launcher, inprocess):
         res = _run_ckpt_job(launcher, str(shm), False)
     assert res.rc == 0, res
     if inprocess:
+        # generation 1 restores step 3 (saved just before the fault) or, when that save was still in flight as
+        # the restart came and was dropped (checkpoint.py: a timing, not a rule), step 2: a restore either way
         entries = (launcher.tmp / "out" / "entries.rank0").read_text().split("\n")
-        assert any(line.split()[1:2] == ["3"] for line in entries if line), f"no restore at step 3: {entries}"
+        restored = [line.split()[1] for line in entries if line and line.split()[0] == "1"]
+        assert restored in (["3"], ["2"]), f"generation 1 did not restore step 3 or 2: {entries}"
     assert os.listdir(shm) == [], f"left in shared memory: {[p for p, _, _ in os.walk(shm)]}"
 
 
