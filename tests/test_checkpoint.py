@@ -232,6 +232,25 @@ def test_survivors_keep_their_own_state_unless_it_moved_past_the_restored_step(t
 
 
 @pytest.mark.slow
+def test_an_exception_while_the_last_save_is_still_copying_keeps_that_step(tmp_path, reference):
+    """enable_offload=True with a state large enough that its background copy is still running when the rank
+    raises at the top of the next step (and when the peers get RESTART): that snapshot's data was final, so it
+    is kept - the raising rank restores nothing (its own objects are at that step) and no step is trained
+    twice; the end state is bitwise the fault-free run's."""
+    rank, step = _rng.randrange(4), _rng.randrange(3, 8)
+    faults = f"raise:{rank}:{step}:top"
+    rc, out, err = run_job(tmp_path, "inflight", "allreduce", faults,
+                           extra_env={"BUILD_OUTSIDE": "1", "OFFLOAD": "1", "BIG_MB": "128"})
+    info = f"FAULTS={faults} seed={SEED}\n{err[-3000:]}"
+    assert rc == 0, info
+    assert_same(reference("allreduce"), out)
+    how = restores(out)
+    assert how[rank][1] == "live", f"rank {rank} copied back the state it had just saved: {how}\n{info}"
+    entries = open(os.path.join(out, f"entries.rank{rank}")).read().split("\n")
+    assert entries[1].split()[:2] == ["1", str(step)], f"the step in the last save was lost: {entries}\n{info}"
+
+
+@pytest.mark.slow
 def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, reference):
     """DDP replicates over its process group: a rank whose shared memory is gone recovers from a peer."""
     rc, out, err = run_job(tmp_path, "replica", "ddp", "wipe-kill:2:4:top", extra_env={"CHECKSUM": "1"})

@@ -243,6 +243,7 @@ class CheckpointManager:
             staged = io.plan(step, payload, stable, self.enable_offload)
         except UnsupportedStateError as exc:
             raise saved_where(exc, payload) from None
+        on_device = any(getattr(src, "is_cuda", False) for src, _ref, _deferred in staged.tensors)
         d = self._ensure_dir()
         path = os.path.join(d, f"slot{step % 2}")
         slot = self._files.setdefault(path, io.SlotFile(path))
@@ -253,6 +254,10 @@ class CheckpointManager:
         generation = getattr(self._caller, "iteration", 0)
         verdict: dict[str, bool] = {}      # "final": what the copies read was complete when an abort began
         self._inflight = (staged, verdict)
+        if getattr(session, "restart_seen", -1) > generation:
+            # a save made after the restart was requested (it lands once the save is done): host tensors
+            # are final - a failed collective raises before a save - but device ones may hold work an abort cut
+            verdict["final"] = not on_device
 
         def no_restart_since() -> bool:
             # a restart since this save drops it unless its data was final before the first abort: then the

@@ -97,6 +97,12 @@ def batch(step, rank):
 # BUILD_OUTSIDE=1: the model and optimizer are built once, outside the re-executed function (hand-written
 # all-reduce loop only: DDP/FSDP2 need the process group); restore() rewinds them in place on re-entry.
 OUTSIDE = build(int(os.environ.get("RANK", 0))) if os.environ.get("BUILD_OUTSIDE") == "1" else None
+# BIG_MB=N: N MiB more state that training never changes (a module's frozen parameter, so an offloaded save
+# copies it in the background): a save that takes long enough for a fault to come while it is copied
+BIG = None
+if os.environ.get("BIG_MB"):
+    BIG = nn.Module()
+    BIG.weight = nn.Parameter(torch.ones(int(os.environ["BIG_MB"]) << 18), requires_grad=False)
 
 
 @HPWrapper(checkpoint_manager=cm, abort_timeout=30)
@@ -112,6 +118,8 @@ def main(caller=None):
             return allreduce_hook(pg, bucket)
         net.register_comm_hook(None, faulty_allreduce)
     state = {"model": net, "opt": opt}
+    if BIG is not None:
+        state["big"] = BIG
     start = cm.restore(state) or 0
     with open(os.path.join(OUT_DIR, f"entries.rank{rank}"), "a") as fh:
         # the process: its pid and start time (the node-loss tests run each node in its own pid namespace, where

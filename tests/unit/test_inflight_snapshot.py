@@ -120,3 +120,17 @@ class Event:
 def test_data_final(events, final):
     staged = snapshot_io.Staged(step=1, source_events=events)
     assert snapshot_io.data_final(staged) is final
+
+
+def test_a_save_of_host_tensors_made_after_the_restart_was_requested_is_kept(manager, monkeypatch):
+    """A rank still inside save() when RESTART came (the restart lands once the save is done): host tensors
+    were computed before any collective could fail, so that snapshot holds the step it names."""
+    cm, session, state = manager
+    cm.save(4, state)
+    cm.wait()
+    session.restart(1, aborting=True)      # judged while nothing was in flight
+    release = gate_copies(monkeypatch)
+    cm.save(5, state)
+    release.set()
+    cm.wait()
+    assert cm.last_saved == 5
