@@ -234,13 +234,16 @@ def test_survivors_keep_their_own_state_unless_it_moved_past_the_restored_step(t
 @pytest.mark.slow
 def test_an_exception_while_the_last_save_is_still_copying_keeps_that_step(tmp_path, reference):
     """enable_offload=True with a state large enough that its background copy is still running when the rank
-    raises at the top of the next step (and when the peers get RESTART): that snapshot's data was final, so it
-    is kept - the raising rank restores nothing (its own objects are at that step) and no step is trained
-    twice; the end state is bitwise the fault-free run's."""
+    raises at the top of the next step: that snapshot's data was final, so it is kept - the raising rank
+    restores nothing (its own objects are at that step) and no step is trained twice; the end state is
+    bitwise the fault-free run's."""
     rank, step = _rng.randrange(4), _rng.randrange(3, 8)
     faults = f"raise:{rank}:{step}:top"
+    # only the raising rank holds the large state; it raises once every other rank has saved that step (so the
+    # step is theirs too), while its own copy - 512 MiB - is still running
     rc, out, err = run_job(tmp_path, "inflight", "allreduce", faults,
-                           extra_env={"BUILD_OUTSIDE": "1", "OFFLOAD": "1", "BIG_MB": "128"})
+                           extra_env={"BUILD_OUTSIDE": "1", "OFFLOAD": "1", "BIG_MB": "512", "BIG_RANK": str(rank),
+                                      "FAULT_AFTER_PEERS_SAVED": "1", "STEP_SLEEP": "0.001"})
     info = f"FAULTS={faults} seed={SEED}\n{err[-3000:]}"
     assert rc == 0, info
     assert_same(reference("allreduce"), out)

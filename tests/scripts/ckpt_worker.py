@@ -41,6 +41,10 @@ def maybe_fault(where, step, rank, generation):
             end = time.monotonic() + 120
             while gate and not os.path.exists(gate) and time.monotonic() < end:
                 time.sleep(0.02)
+            if os.environ.get("FAULT_AFTER_PEERS_SAVED") == "1":   # every other rank has saved `step` (STEP_SLEEP)
+                world = int(os.environ["WORLD_SIZE"])
+                while time.monotonic() < end and not all(_progress(r) >= step for r in range(world) if r != rank):
+                    time.sleep(0.002)
             if kind == "wipe-kill":   # the rank's snapshots are lost with it (as when its node is lost)
                 # every rank with a wipe-kill at this step and place goes at the same moment (a node lost whole):
                 # each waits until all of them got here, so none is interrupted before its own fault
@@ -56,6 +60,15 @@ def maybe_fault(where, step, rank, generation):
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected {kind} at step {step} ({where})")
+
+
+def _progress(rank: int) -> int:
+    """The last step rank `rank` saved, as its progress file says (written with STEP_SLEEP), or -1."""
+    try:
+        with open(os.path.join(OUT_DIR, f"progress.rank{rank}")) as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def build(rank):
@@ -98,9 +111,10 @@ def batch(step, rank):
 # all-reduce loop only: DDP/FSDP2 need the process group); restore() rewinds them in place on re-entry.
 OUTSIDE = build(int(os.environ.get("RANK", 0))) if os.environ.get("BUILD_OUTSIDE") == "1" else None
 # BIG_MB=N: N MiB more state that training never changes (a module's frozen parameter, so an offloaded save
-# copies it in the background): a save that takes long enough for a fault to come while it is copied
+# copies it in the background): a save that takes long enough for a fault to come while it is copied; BIG_RANK:
+# only on that rank
 BIG = None
-if os.environ.get("BIG_MB"):
+if os.environ.get("BIG_MB") and os.environ.get("BIG_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
     BIG = nn.Module()
     BIG.weight = nn.Parameter(torch.ones(int(os.environ["BIG_MB"]) << 18), requires_grad=False)
 
