@@ -30,6 +30,10 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
+from hyperpodrun import usage_exit as _usage_exit  # noqa: E402
+
+_usage_exit.install()   # in a worker hyperpodrun started: an uncaught usage error is one line, exit code 2
+
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)

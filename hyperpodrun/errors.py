@@ -184,7 +184,12 @@ class CacheTimeoutError(HyperpodrunError, TimeoutError):
     """No batch arrived within `wait_timeout` seconds (the producing rank is stuck or gone)."""
 
 
-__all__ = [
+#: the worker API's usage errors: in a launched worker one that nobody catches ends the process with one line
+#: and EXIT_USAGE (hyperpodrun/usage_exit.py), like a bad flag of the launcher
+USAGE_ERRORS: tuple[type[HyperpodrunError], ...] = (ConfigError, ApiValueError, ApiTypeError, SetupOrderError,
+                                                   MissingDependencyError)
+
+__all__ = ["USAGE_ERRORS", 
     "EXIT_OK", "EXIT_USAGE", "EXIT_AGENT_ERROR", "EXIT_STATE_LOST", "EXIT_NO_USABLE_GPU", "EXIT_STEP_KEEPS_FAILING",
     "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED",
     "HyperpodrunError", "ConfigError", "RendezvousError", "WorkerSpawnError", "ProtocolError", "AuthError",

@@ -26,8 +26,9 @@ from typing import Any, Callable, Optional
 
 from hyperpodrun import env as E
 from hyperpodrun import protocol as P
-from hyperpodrun.errors import (EXIT_WORKER_UNHEALTHY, ApiValueError, HealthCheckError, RankEnvironmentTimeout,
-                                StateLostError, UnsafePathError)
+from hyperpodrun.errors import (EXIT_USAGE, EXIT_WORKER_UNHEALTHY, USAGE_ERRORS, ApiValueError, HealthCheckError,
+                                RankEnvironmentTimeout, StateLostError, UnsafePathError)
+from hyperpodrun.usage_exit import one_line
 from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, CheckpointlessFinalizeCleanup,
                                        mark_generation_start, release_parked)
 from hyperpodrun.runtime.health import CudaHealthCheck
@@ -42,7 +43,8 @@ from hyperpodrun.symptoms import SECONDARY_MARKERS as _SECONDARY_MARKERS   # sha
 log = logging.getLogger("hyperpodrun.runtime")
 
 #: deterministic programming errors: retrying them only burns time (override with fatal_exceptions=)
-DEFAULT_FATAL = (TypeError, NameError, AttributeError, SyntaxError, ImportError, NotImplementedError, UnsafePathError)
+DEFAULT_FATAL = (TypeError, NameError, AttributeError, SyntaxError, ImportError, NotImplementedError, UnsafePathError,
+                 *USAGE_ERRORS)
 
 
 def inprocess_enabled() -> bool:
@@ -232,7 +234,8 @@ class HPWrapper:
                 tb_text = "".join(traceback.format_exception(exc))[-4000:]
                 # report first (a non-blocking send), then tear our groups down so that peers blocked in a
                 # collective with us fail fast - their "connection closed" then arrives after our root cause
-                exit_code = int(getattr(exc, "exit_code", 1) or 1) if not retryable else 1
+                usage = isinstance(exc, USAGE_ERRORS) and not retryable   # the API used wrongly: one line, exit 2
+                exit_code = EXIT_USAGE if usage else int(getattr(exc, "exit_code", 1) or 1) if not retryable else 1
                 sess.send(P.Fault(rank=sess.rank, pid=os.getpid(), generation=gen, exc_type=type(exc).__name__,
                                   summary=str(exc)[:500], step=sess.step, secondary=secondary, retryable=retryable,
                                   exit_code=exit_code, traceback=tb_text))
@@ -240,9 +243,10 @@ class HPWrapper:
                     _drop_frames(exc)   # the failed frames hold the model/DDP, which hold the process group
                 sess.first_abort_s = self._abort(sess)
                 if not retryable:
-                    log.error("rank %d: %s is not retried; ending the job", sess.rank, type(exc).__name__)
+                    if not usage:
+                        log.error("rank %d: %s is not retried; ending the job", sess.rank, type(exc).__name__)
                     if exit_code != 1:
-                        sys.stderr.write(tb_text)
+                        sys.stderr.write(one_line(exc) + "\n" if usage else tb_text)
                         sys.stderr.flush()
                         sess.client.close()
                         os._exit(exit_code)
