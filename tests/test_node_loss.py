@@ -220,10 +220,13 @@ def test_node_killed_during_a_recovery_round(launcher, tmp_path, reference):
     is folded into the same round (one generation), its replacement joins it; bitwise equal."""
     job = Cluster(launcher, tmp_path, "during")
     job.env["FAULTS"] = f"raise:2:{KILL_AT}:top"
+    gate = tmp_path / "round-may-end"
+    job.env["FINALIZE_GATE"] = str(gate)    # node 0's ranks stay in the round until node 1 is gone
     node0 = job.start(0)
     node1 = job.start(1)
     node1.wait_event("restart_signal", timeout=90)
     node1.kill()
+    gate.touch()
     replacement = job.start(1, label="replacement")
     codes = [node0.wait(180), replacement.wait(180)]
     info = job.describe()

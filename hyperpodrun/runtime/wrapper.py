@@ -205,14 +205,16 @@ class HPWrapper:
             need_go = True
             world = int(os.environ.get("WORLD_SIZE", 1))
             caller = CallWrapper(gen, sess.reason, sess, previous_world_size=previous)
-            if self.checkpoint_manager is not None and callable(getattr(self.checkpoint_manager, "attach", None)):
-                self.checkpoint_manager.attach(caller, sess)
             sess.state = "running"
             release_parked()            # the previous generation's groups: every rank has aborted them by now
             _reset_torch_group_counter()
             mark_generation_start()
             t_fault: Optional[float] = None
             try:
+                # inside: attaching reaches the generation's store (peer copies), which a node lost meanwhile
+                # closes - a failure of this generation like any other, recovered in the next
+                if self.checkpoint_manager is not None and callable(getattr(self.checkpoint_manager, "attach", None)):
+                    self.checkpoint_manager.attach(caller, sess)
                 sess.interrupter.enter_fn(gen)
                 try:
                     result = fn(*args, caller=caller, **kwargs)
@@ -235,6 +237,9 @@ class HPWrapper:
                 # report first (a non-blocking send), then tear our groups down so that peers blocked in a
                 # collective with us fail fast - their "connection closed" then arrives after our root cause
                 usage = isinstance(exc, USAGE_ERRORS) and not retryable   # the API used wrongly: one line, exit 2
+                if usage:   # said first: the agent ends the job as soon as it reads the fault
+                    sys.stderr.write(one_line(exc) + "\n")
+                    sys.stderr.flush()
                 exit_code = EXIT_USAGE if usage else int(getattr(exc, "exit_code", 1) or 1) if not retryable else 1
                 sess.send(P.Fault(rank=sess.rank, pid=os.getpid(), generation=gen, exc_type=type(exc).__name__,
                                   summary=str(exc)[:500], step=sess.step, secondary=secondary, retryable=retryable,
@@ -246,8 +251,9 @@ class HPWrapper:
                     if not usage:
                         log.error("rank %d: %s is not retried; ending the job", sess.rank, type(exc).__name__)
                     if exit_code != 1:
-                        sys.stderr.write(one_line(exc) + "\n" if usage else tb_text)
-                        sys.stderr.flush()
+                        if not usage:
+                            sys.stderr.write(tb_text)
+                            sys.stderr.flush()
                         sess.client.close()
                         os._exit(exit_code)
                     raise

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hyperpodrun import CheckpointManager, HPWrapper
+from hyperpodrun import CheckpointlessFinalizeCleanup, CheckpointManager, HPWrapper
 
 MODE = os.environ.get("MODE", "allreduce")
 STEPS = int(os.environ.get("STEPS", "12"))
@@ -119,7 +119,16 @@ if os.environ.get("BIG_MB") and os.environ.get("BIG_RANK", os.environ.get("RANK"
     BIG.weight = nn.Parameter(torch.ones(int(os.environ["BIG_MB"]) << 18), requires_grad=False)
 
 
-@HPWrapper(checkpoint_manager=cm, abort_timeout=30)
+def _finalize_gate() -> None:
+    """FINALIZE_GATE: a survivor's recovery waits in finalize until the test creates that file (a recovery
+    round the test can act in, however fast recovery is)."""
+    gate = os.environ.get("FINALIZE_GATE")
+    end = time.monotonic() + 120
+    while gate and not os.path.exists(gate) and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+@HPWrapper(checkpoint_manager=cm, abort_timeout=30, finalize=CheckpointlessFinalizeCleanup(extra=[_finalize_gate]))
 def main(caller=None):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
