@@ -64,40 +64,34 @@ def gate_copies(monkeypatch) -> threading.Event:
     return release
 
 
-def test_a_snapshot_whose_data_was_final_before_the_abort_is_kept(manager, monkeypatch):
-    cm, session, state = manager
+def restart_while_copying(cm, session, state, monkeypatch, aborting: bool) -> None:
+    """save(4) completes; save(5) is held mid-copy while RESTART for generation 1 comes (its abort callbacks
+    run first when `aborting`); then the copy is let finish."""
     cm.save(4, state)
     cm.wait()
     release = gate_copies(monkeypatch)
     cm.save(5, state)                      # copying in the background
-    session.restart(1, aborting=True)      # the restart comes while it copies
+    session.restart(1, aborting=aborting)
     release.set()
     cm.wait()
+
+
+def test_a_snapshot_whose_data_was_final_before_the_abort_is_kept(manager, monkeypatch):
+    cm, session, state = manager
+    restart_while_copying(cm, session, state, monkeypatch, aborting=True)
     assert cm.last_saved == 5
 
 
 def test_a_restart_seen_before_the_data_was_judged_drops_the_snapshot(manager, monkeypatch):
     cm, session, state = manager
-    cm.save(4, state)
-    cm.wait()
-    release = gate_copies(monkeypatch)
-    cm.save(5, state)
-    session.restart(1, aborting=False)     # no judgement: as before, the snapshot cannot be trusted
-    release.set()
-    cm.wait()
+    restart_while_copying(cm, session, state, monkeypatch, aborting=False)   # no judgement: cannot be trusted
     assert cm.last_saved == 4
 
 
 def test_a_snapshot_whose_device_work_was_pending_is_dropped(manager, monkeypatch):
     cm, session, state = manager
-    cm.save(4, state)
-    cm.wait()
-    release = gate_copies(monkeypatch)
     monkeypatch.setattr(snapshot_io, "data_final", lambda staged: False)   # a GPU still computing its inputs
-    cm.save(5, state)
-    session.restart(1, aborting=True)
-    release.set()
-    cm.wait()
+    restart_while_copying(cm, session, state, monkeypatch, aborting=True)
     assert cm.last_saved == 4
 
 
