@@ -154,6 +154,7 @@ class Agent:
         self.subreaper = become_subreaper() or os.getpid() == 1
         self.reaper = Reaper()
         self.sup = Supervisor(self.reaper)
+        self.sup.watch_deaths(self.inbox.wake)
         self._install_signals()
         try:
             self.rdzv = rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals),
@@ -370,6 +371,7 @@ class Agent:
                 while self.sup.live() and time.monotonic() < end:
                     self.sup.poll_exits()
                     time.sleep(0.01)
+            self.sup.close()
         if self.launcher is not None:
             self.launcher.stop_warm_spawner()
         if self.standby is not None:   # a spare that never took a place

@@ -1,7 +1,9 @@
 """Worker processes: spawn each in its own session, track its exit by pid, end its whole tree.
 
 Exits are observed per pid (pidfd where the kernel has it, else polling that pid) - never a bare
-waitpid(-1) that would steal statuses. The agent marks itself a child subreaper, so grandchildren that
+waitpid(-1) that would steal statuses. A failing worker is declared dead as soon as it begins to exit
+(agent/death_watch.py), before its teardown ends; it is reaped, and its session ended, when the kernel is
+done with it. The agent marks itself a child subreaper, so grandchildren that
 outlive a worker are re-parented to us and reaped here. A separate reaper process (agent/reaper.py)
 kills every registered session if the agent dies, even by SIGKILL.
 """
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hyperpodrun.agent.death_watch import DeathWatch
 from hyperpodrun.agent.reaper import kill_sessions, session_members
 from hyperpodrun.errors import WorkerSpawnError
 
@@ -63,6 +66,7 @@ class WorkerProcess:
     pidfd: Optional[int] = None
     returncode: Optional[int] = None
     signalled: bool = False   # we sent it a signal (shutdown, restart): its death is not the root cause
+    dying: bool = False       # declared dead when its exit began (returncode set), not yet reaped
 
     @property
     def pid(self) -> int:
@@ -121,6 +125,15 @@ class Supervisor:
         self.reaper = reaper
         self.workers: dict[int, WorkerProcess] = {}   # by local rank (the live incarnation)
         self._extra: set[int] = {reaper.pid}          # our other children (reaper, hooks)
+        self._dying: list[WorkerProcess] = []         # declared dead, still tearing down (not reaped yet)
+        self.death_watch: Optional[DeathWatch] = None
+
+    def watch_deaths(self, wake: Any) -> None:
+        """See failures when they begin (agent/death_watch.py); `wake` wakes the caller's loop."""
+        if self.death_watch is None:
+            self.death_watch = DeathWatch(wake)
+            for proc in self.live():
+                self.death_watch.watch(proc.pid)
 
     def spawn(self, local_rank: int, rank: int, generation: int, argv: list[str], env: dict[str, str],
               stdout: Optional[int], stderr: Optional[int], cwd: Optional[str] = None) -> WorkerProcess:
@@ -143,28 +156,53 @@ class Supervisor:
         except (AttributeError, OSError):
             proc.pidfd = None
         self.workers[local_rank] = proc
+        if self.death_watch is not None:
+            self.death_watch.watch(popen.pid)
         return proc
 
     def poll_exits(self) -> list[WorkerProcess]:
-        """Workers that exited since the last call (reaped, their leftover session killed)."""
+        """Workers that ended since the last call: reaped (their leftover session killed), or declared dead
+        because their exit with a failure status has begun (then reaped by a later call)."""
         done = []
+        dying = self.death_watch.take() if self.death_watch is not None else {}
         for proc in list(self.workers.values()):
             if proc.returncode is not None:
                 continue
             code = proc.popen.poll()
             if code is None:
+                if proc.pid not in dying:
+                    continue
+                proc.returncode, proc.dying = dying[proc.pid], True
+                self._dying.append(proc)
+                try:     # its children and threads go with it now, not after its teardown
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                done.append(proc)
                 continue
             proc.returncode = code
-            self._close_pidfd(proc)
-            self._end_session(proc.pid)
+            self._finish(proc)
             done.append(proc)
+        for proc in list(self._dying):
+            if proc.popen.poll() is not None:
+                self._dying.remove(proc)
+                proc.dying = False
+                self._finish(proc)
         return done
 
+    def _finish(self, proc: WorkerProcess) -> None:
+        self._close_pidfd(proc)
+        if self.death_watch is not None:
+            self.death_watch.forget(proc.pid)
+        self._end_session(proc.pid)
+
     def pidfds(self) -> list[int]:
-        return [p.pidfd for p in self.workers.values() if p.alive and p.pidfd is not None]
+        return [p.pidfd for p in [*self.workers.values(), *self._dying]
+                if (p.alive or p.dying) and p.pidfd is not None]
 
     def live(self) -> list[WorkerProcess]:
-        return [p for p in self.workers.values() if p.alive]
+        """Workers still running: the live ones, and the ones declared dead whose teardown has not ended."""
+        return [p for p in self.workers.values() if p.alive] + list(self._dying)
 
     def signal_all(self, sig: int, procs: Optional[list[WorkerProcess]] = None) -> None:
         """Send `sig` to each live worker's whole process group."""
@@ -196,6 +234,11 @@ class Supervisor:
                 pass
             proc.pidfd = None
 
+    def close(self) -> None:
+        """Stop the death watch (the agent's end)."""
+        if self.death_watch is not None:
+            self.death_watch.close()
+
     def track_extra(self, pid: int) -> None:
         self._extra.add(pid)
 
@@ -204,7 +247,8 @@ class Supervisor:
 
     def reap_orphans(self) -> None:
         """Reap re-parented orphans (we are a subreaper, or PID 1) without touching our own children."""
-        ours = {p.pid for p in self.workers.values() if p.returncode is None} | self._extra
+        ours = {p.pid for p in self.workers.values() if p.returncode is None} | {p.pid for p in self._dying} \
+            | self._extra
         try:
             tasks = os.listdir("/proc/self/task")
         except OSError:

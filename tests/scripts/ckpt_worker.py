@@ -2,7 +2,8 @@
 
 Deterministic (data indexed by step and rank, fixed seeds); saves state after every optimizer step with
 CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-separated list of
-`kind:rank:step:where` fired once in generation `gen` (kind kill|raise; where: top|allreduce|prestep|poststep, poststep: after the optimizer step, before the
+`kind:rank:step:where` fired once in generation `gen` (kind kill|raise|park - park: write OUT_DIR/park.<rank>
+with the pid and sleep until killed, so that a test can end the process its own way; where: top|allreduce|prestep|poststep, poststep: after the optimizer step, before the
 save). OUT_DIR/restores.rank<r> says per generation how the rank got its state (CheckpointManager.restored_from).
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt.
 """
@@ -33,7 +34,21 @@ cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        if REPLICAS else None)
 
 
+def maybe_pause(step, rank, generation):
+    """PAUSE_AT=step: in generation 0 every rank without a fault there waits at the top of that step (in
+    Python, not in a collective) until OUT_DIR/unpause exists or a restart interrupts it."""
+    if os.environ.get("PAUSE_AT") != str(step) or generation != 0:
+        return
+    if any(int(r) == rank and int(s) == step for _, r, s, *_ in FAULTS):
+        return
+    end = time.monotonic() + 120
+    while not os.path.exists(os.path.join(OUT_DIR, "unpause")) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def maybe_fault(where, step, rank, generation):
+    if where == "top":
+        maybe_pause(step, rank, generation)
     for i, (kind, frank, fstep, fwhere, *gen) in enumerate(FAULTS):
         fgen = int(gen[0]) if gen else 0
         if fwhere == where and int(frank) == rank and int(fstep) == step and fgen == generation:
@@ -59,6 +74,12 @@ def maybe_fault(where, step, rank, generation):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "park":
+                with open(os.path.join(OUT_DIR, f"park.{rank}.tmp"), "w") as fh:
+                    fh.write(str(os.getpid()))
+                os.replace(os.path.join(OUT_DIR, f"park.{rank}.tmp"), os.path.join(OUT_DIR, f"park.{rank}"))
+                while True:
+                    time.sleep(1)
             raise RuntimeError(f"injected {kind} at step {step} ({where})")
 
 
