@@ -47,6 +47,7 @@ from hyperpodrun.runtime import replicas, shm_runs
 from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
+from hyperpodrun.runtime.pinned_read import DeviceReadable
 from hyperpodrun.runtime.restore_plan import Inventory, find_snapshots, gather, map_private, plan_restore
 from hyperpodrun.runtime.live_state import LiveState
 from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
@@ -378,13 +379,19 @@ class CheckpointManager:
             path = shm.get(step) or disk[step] if data is None else ""
             # our own slot or fallback file was checked by find_snapshots just now (unless it was trusted)
             verified = data is None and path not in trusted
-            if data is None:
-                data = map_private(path)
+            slot = DeviceReadable(path, pin=_has_cuda_tensors(state)) if data is None else None
             try:
-                _, payload = io.decode(data, f"snapshot of step {step}", verify=not verified, copy=False)
-            except SnapshotCorrupt as exc:
-                raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") from exc
-            self._load(payload, state)   # copies out of the mapping
+                try:
+                    _, payload = io.decode(slot.map if slot is not None else data, f"snapshot of step {step}",
+                                           verify=not verified, copy=False)
+                except SnapshotCorrupt as exc:
+                    raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") \
+                        from exc
+                self._load(payload, state, non_blocking=slot is not None and slot.pinned)   # copies out of it
+            finally:
+                payload = None
+                if slot is not None:
+                    slot.close()
             self.restored_from = source
         self.last_saved = step
         if self._session is not None and self.rank == 0:
@@ -466,7 +473,9 @@ class CheckpointManager:
             stale.close()
         io.write_atomic(path, blob)
 
-    def _load(self, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    def _load(self, payload: Mapping[str, Any], state: Mapping[str, Any], non_blocking: bool = False) -> None:
+        """Put a decoded snapshot into `state`; non_blocking: its tensors are views of a pinned mapping, device
+        copies are queued (the mapping's close() waits for them)."""
         import torch
         for name, obj in state.items():
             if name not in payload["state"]:
@@ -474,7 +483,7 @@ class CheckpointManager:
                                          "restore() must have the same keys")
             kind, saved = payload["state"][name]
             if kind == "sd":
-                load_state_dict_into(obj, like(saved, state_dict_of(obj), device_of(obj)))
+                load_state_dict_into(obj, like(saved, state_dict_of(obj), device_of(obj), non_blocking))
                 if isinstance(obj, torch.optim.Optimizer):
                     fix_optimizer_dtensors(obj)
             elif isinstance(state, dict):
@@ -505,6 +514,21 @@ class CheckpointManager:
         self._writer.wait()
         if self._fallback is not None:
             self._fallback.join()
+
+
+def _has_cuda_tensors(state: Mapping[str, Any]) -> bool:
+    """Whether restoring `state` copies onto a GPU (then its slot is pinned for the copy)."""
+    import torch
+    for obj in state.values():
+        if isinstance(obj, torch.nn.Module):
+            tensors: Any = obj.parameters()
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors = (p for g in obj.param_groups for p in g["params"])
+        else:
+            tensors = tensors_in(obj)
+        for t in tensors:
+            return bool(getattr(t, "is_cuda", False))
+    return False
 
 
 def _weakrefable(obj: Any) -> bool:

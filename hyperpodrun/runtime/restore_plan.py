@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict
 from hyperpodrun.errors import SnapshotCorrupt, StateLostError
 from hyperpodrun.runtime import replicas
 from hyperpodrun.runtime import snapshot_io as io
+from hyperpodrun.runtime.pinned_read import map_readonly
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -70,11 +71,11 @@ def find_snapshots(directory: str, trusted: Optional[Mapping[str, int]] = None) 
         path = os.path.join(directory, name)
         try:
             if trusted and path in trusted:
-                step = io.header(map_private(path), path)[0]
+                step = io.header(map_readonly(path), path)[0]
                 if step != trusted[path]:
                     raise SnapshotCorrupt(f"{path}: holds step {step}, not the step {trusted[path]} sealed there")
             else:
-                step = io.verify(map_private(path), path)
+                step = io.verify(map_readonly(path, populate=True), path)   # read whole: no fault per page
         except (SnapshotCorrupt, OSError, ValueError) as exc:
             log.error("ignoring snapshot %s", exc)
             continue

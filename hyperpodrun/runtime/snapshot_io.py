@@ -27,6 +27,7 @@ import mmap
 import os
 import struct
 import threading
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -320,7 +321,9 @@ def _decode(data: Any, what: str, verify: bool, copy: Optional[bool]) -> tuple[i
         t = raw.view(dtype).view(ref.shape)
         return t.clone() if copy else t
     try:
-        return step, safe_codec.loads(view[HEADER_LEN:HEADER_LEN + meta_len], load)
+        with warnings.catch_warnings():   # views of a read-only mapping (pinned_read.py) are only read
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return step, safe_codec.loads(view[HEADER_LEN:HEADER_LEN + meta_len], load)
     except CodecError as exc:
         raise SnapshotCorrupt(f"{what}: {exc} (step {step})") from None
 

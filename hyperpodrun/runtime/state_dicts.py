@@ -80,30 +80,36 @@ def local_ptr(t: Any) -> int:
     return local.data_ptr()
 
 
-def like(saved: Any, current: Any, device: Any = None) -> Any:
+def like(saved: Any, current: Any, device: Any = None, non_blocking: bool = False) -> Any:
     """Copies of the saved tensors (views of a mapped slot) shaped like `current` (device, DTensor
     placement). A tensor with no counterpart in `current` goes to `device`, or is cloned on the host:
-    nothing returned may alias the slot, which is rewritten two saves later."""
+    nothing returned may alias the slot, which is rewritten two saves later.
+
+    non_blocking (the slot is pinned, pinned_read.py): device copies are queued by DMA, not waited for - the
+    caller synchronizes before the mapping goes - and a plain CUDA tensor of the same shape and dtype in
+    `current` is written in place (no second copy of the state on the GPU while it loads)."""
     import torch
     if isinstance(saved, torch.Tensor):
         if isinstance(current, torch.Tensor):
             if hasattr(current, "placements") and hasattr(current, "device_mesh"):
                 from torch.distributed.tensor import DTensor
                 if isinstance(current, DTensor):
-                    local = saved.to(current.to_local().device, copy=True)
+                    local = saved.to(current.to_local().device, copy=True, non_blocking=non_blocking)
                     return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
                                               shape=current.shape, stride=current.stride())
-            return saved.to(current.device, copy=True)
+            if non_blocking and current.is_cuda and current.shape == saved.shape and current.dtype == saved.dtype:
+                return current.copy_(saved, non_blocking=True)
+            return saved.to(current.device, copy=True, non_blocking=non_blocking and current.is_cuda)
         if device is None or saved.dim() == 0:      # scalars (an optimizer's step): the owner places them
             return saved.clone()
-        return saved.to(device, copy=True)
+        return saved.to(device, copy=True, non_blocking=non_blocking and torch.device(device).type == "cuda")
     if isinstance(saved, dict):
         cur = current if isinstance(current, dict) else {}
-        out = {k: like(v, cur.get(k), device) for k, v in saved.items()}
+        out = {k: like(v, cur.get(k), device, non_blocking) for k, v in saved.items()}
         return collections.OrderedDict(out) if type(saved) is collections.OrderedDict else out
     if isinstance(saved, (list, tuple)):
         peers = current if isinstance(current, (list, tuple)) and len(current) == len(saved) else [None] * len(saved)
-        items = [like(s, c, device) for s, c in zip(saved, peers)]
+        items = [like(s, c, device, non_blocking) for s, c in zip(saved, peers)]
         return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)
     return saved
 

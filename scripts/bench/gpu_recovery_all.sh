@@ -8,6 +8,8 @@
 #   c3  NVIDIA Resiliency Extension's inprocess.Wrapper under torchrun: FAULTS per kind, c1's calibration
 #   merged  one report of the three (recovery.json, recovery.md, recovery.png)
 #   OUT=bench-out bash scripts/bench/gpu_recovery_all.sh
+# SEQ picks another sequence of stages (default scripts/bench/gpu_recovery_seq.sh), e.g.
+# SEQ=scripts/bench/gpu_recovery_fast_seq.sh: the restart phases, then in-process vs torchrun only.
 set -uo pipefail
 W="${BENCH_DIR:-/tmp/hpr-gpu-bench}"
 WAIT_S="${WAIT_S:-540}"
@@ -16,10 +18,10 @@ mkdir -p "$OUT"
 if [ ! -e "$W/started" ]; then
   mkdir -p "$W" && touch "$W/started"
   FAULTS_HPR="${FAULTS_HPR:-5}" FAULTS="${FAULTS:-3}" W="$W" \
-    setsid nohup bash scripts/bench/gpu_recovery_seq.sh > "$W/log" 2>&1 < /dev/null &
+    setsid nohup bash "${SEQ:-scripts/bench/gpu_recovery_seq.sh}" > "$W/log" 2>&1 < /dev/null &
 fi
 deadline=$((SECONDS + WAIT_S))
 while [ ! -e "$W/done" ] && [ $SECONDS -lt $deadline ]; do sleep 2; done
 cat "$W/log"
-(cd "$W" && tar czf - --exclude='*.pt' log env c1 c2 c3 merged 2>/dev/null) > "$OUT/gpu-recovery.tar.gz"
+(cd "$W" && tar czf - --exclude='*.pt' log env p c1 c2 c3 merged 2>/dev/null) > "$OUT/gpu-recovery.tar.gz"
 ls -la "$OUT"

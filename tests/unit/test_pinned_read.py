@@ -1,0 +1,59 @@
+"""Reading a slot back (hyperpodrun/runtime/pinned_read.py): the mapping is read-only and populated, a
+snapshot decodes from it and restores exactly, and without CUDA nothing is pinned (the pageable copy)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyperpodrun.runtime import snapshot_io as io
+from hyperpodrun.runtime.pinned_read import DeviceReadable, buffer_address, map_readonly
+from hyperpodrun.runtime.state_dicts import like
+
+
+def write_slot(path: str, step: int, payload: dict) -> None:
+    staged = io.plan(step, payload, set(), defer=False)
+    slot = io.SlotFile(path)
+    view = slot.prepare(staged, pin=False)
+    io.copy_now(view, staged, io.SideStream())
+    io.seal(view, staged)
+    del view
+    slot.close()
+
+
+def test_a_slot_maps_read_only_and_restores_exactly(tmp_path):
+    path = str(tmp_path / "slot0")
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 32), "b": torch.arange(10, dtype=torch.int64), "n": 7}
+    write_slot(path, 5, state)
+    slot = DeviceReadable(path, pin=True)   # no CUDA here: mapped, not pinned
+    try:
+        assert not slot.pinned
+        with pytest.raises(TypeError):
+            slot.map[0:1] = b"x"                    # nothing can write the slot through it
+        step, payload = io.decode(slot.map, "slot", verify=True, copy=False)
+        current = {"w": torch.zeros(64, 32), "b": torch.zeros(10, dtype=torch.int64), "n": 0}
+        got = like(payload, current, None, non_blocking=slot.pinned)
+    finally:
+        payload = None
+        slot.close()
+    assert step == 5 and got["n"] == 7
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert got["w"].data_ptr() != 0 and not got["w"].is_pinned()
+
+
+def test_the_mapping_is_never_opened_through_a_symlink(tmp_path):
+    target = tmp_path / "real"
+    target.write_bytes(b"\0" * 4096)
+    os.symlink(target, tmp_path / "link")
+    with pytest.raises(OSError):
+        map_readonly(str(tmp_path / "link"))
+
+
+def test_the_address_of_a_read_only_mapping_is_its_first_byte(tmp_path):
+    (tmp_path / "f").write_bytes(b"abc" * 1000)
+    m = map_readonly(str(tmp_path / "f"), populate=True)
+    import ctypes
+    assert ctypes.string_at(buffer_address(m), 3) == b"abc"
+    m.close()
