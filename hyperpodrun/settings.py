@@ -55,6 +55,9 @@ class Settings(BaseModel):
     #: HYPERPODRUN_GC_FREEZE: freeze what exists when HPWrapper first calls the function out of the cyclic
     #: garbage collector's view, so a collection on the restart path scans only what training made since
     gc_freeze: bool = True
+    #: HYPERPODRUN_NCCL_ABORT_BACKGROUND: a restart's NCCL communicator aborts run in a thread of their own
+    #: while the rank goes on to the next generation (runtime/abort.py); 0: in the restarting thread
+    nccl_abort_background: bool = True
     #: HYPERPODRUN_SYMPTOM_GRACE_S: how long a symptom of another rank's fault waits for the real cause
     symptom_grace_s: float = DEFAULT_SYMPTOM_GRACE_S
     #: HYPERPODRUN_EXIT_GRACE_S: how long a worker exit that looks like a symptom of another rank's failure
@@ -140,6 +143,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any], bool]] = {
     "warm_respawn": ("WARM_RESPAWN", _bool, False),
     "warm_imports": ("WARM_IMPORTS", _modules, True),   # "" is valid: import nothing ahead
     "gc_freeze": ("GC_FREEZE", _bool, False),
+    "nccl_abort_background": ("NCCL_ABORT_BACKGROUND", _bool, False),
     "symptom_grace_s": ("SYMPTOM_GRACE_S", _grace, False),
     "exit_grace_s": ("EXIT_GRACE_S", _grace, False),
     "restart_grace_s": ("RESTART_GRACE_S", _positive_grace, False),

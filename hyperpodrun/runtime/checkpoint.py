@@ -343,7 +343,8 @@ class CheckpointManager:
         live = self._live.payload_for(self._live.step, state) if self._live is not None else None
         trusted = {os.path.join(self._ensure_dir(), f"slot{self._live.step % 2}"): self._live.step} \
             if self._live is not None and live is not None else {}
-        shm = find_snapshots(self._ensure_dir(), trusted)
+        unverified: set[str] = set()
+        shm = find_snapshots(self._ensure_dir(), trusted, unverified)
         disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
         mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
@@ -377,8 +378,8 @@ class CheckpointManager:
             self._live = None
             source = "replica" if data is not None else ("shm" if step in shm else "disk")
             path = shm.get(step) or disk[step] if data is None else ""
-            # our own slot or fallback file was checked by find_snapshots just now (unless it was trusted)
-            verified = data is None and path not in trusted
+            # our own slot or fallback file was checked by find_snapshots just now (unless trusted or unverified)
+            verified = data is None and path not in trusted and path not in unverified
             slot = DeviceReadable(path, pin=_has_cuda_tensors(state)) if data is None else None
             try:
                 try:
