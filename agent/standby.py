@@ -16,6 +16,11 @@ respawn (none ready yet, or the rank's CUDA_VISIBLE_DEVICES changed since the st
 the next source serves it (warm fork, cold start) and the event log says why (`standby_unused`).
 Memory: each standby holds what the zygote imported (torch: about 0.3-0.5 GB of host memory, mostly shared
 with the zygote's pages) and, on a GPU host, one CUDA context (about 0.5 GB of GPU memory).
+On a GPU host a standby also does, before it reports ready, a one-rank NCCL group (NCCL's per-process start,
+0.4 s, off the critical path), and while it waits it maps and registers with CUDA its local rank's snapshot
+slots (hyperpodrun/runtime/pinned_read.py, `prepin`): the restore after it takes over copies by DMA from
+them at once and the rank's saves write through them. Those are the slot files' own pages (in /dev/shm):
+pinning adds no copy, only locks them.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hyperpodrun.agent import warm_spawner
 from hyperpodrun.agent.ports import Events, SpawnRequest
@@ -61,8 +66,9 @@ class StandbyPool:
     name = "standby"
 
     def __init__(self, sup: Supervisor, events: Events, warm: WarmFork, per_slot: int, nproc: int,
-                 base_env: dict[str, str]) -> None:
+                 base_env: dict[str, str], slot_dir_for: Callable[[int], Optional[str]] = lambda _lr: None) -> None:
         self.sup = sup
+        self.slot_dir_for = slot_dir_for
         self.events = events
         self.warm = warm
         self.per_slot = per_slot
@@ -95,7 +101,7 @@ class StandbyPool:
                     self._read_ready(sb, now)
             while len(items) < self.per_slot and now >= self._next_fork[slot]:
                 try:
-                    pid, chan = spawner.fork_standby(slot)
+                    pid, chan = spawner.fork_standby(slot, slot_dir=self.slot_dir_for(slot))
                 except warm_spawner.WarmSpawnError as exc:
                     log.info("no standby for local rank %d for now: %s", slot, exc)
                     self._next_fork[slot] = now + self._backoff[slot]

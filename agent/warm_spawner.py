@@ -100,14 +100,17 @@ class WarmSpawner:
             raise WarmSpawnError(f"the warm spawner failed: {reply.get('error')}")
         return int(reply["pid"])
 
-    def fork_standby(self, local_rank: int, timeout: float = 5.0) -> tuple[int, socket.socket]:
+    def fork_standby(self, local_rank: int, timeout: float = 5.0,
+                     slot_dir: Optional[str] = None) -> tuple[int, socket.socket]:
         """Fork a standby for `local_rank` (agent/standby.py): (its pid, the agent's end of its socket, on which
-        it reports ready and receives the rank it becomes). Raises WarmSpawnError."""
+        it reports ready and receives the rank it becomes); `slot_dir`: where that rank's snapshot slots will
+        be, for the standby to map and pin ahead. Raises WarmSpawnError."""
         if not self.check_ready():
             raise WarmSpawnError("the warm spawner is not ready (still importing, or gone)")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            socket.send_fds(self._sock, [json.dumps({"standby": True, "local_rank": local_rank}).encode()],
+            socket.send_fds(self._sock, [json.dumps({"standby": True, "local_rank": local_rank,
+                                                   "slot_dir": slot_dir}).encode()],
                             [theirs.fileno()])
             r, _, _ = select.select([self._sock], [], [], timeout)
             msg = self._sock.recv(1 << 16) if r else b""

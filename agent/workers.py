@@ -80,11 +80,18 @@ class WorkerLauncher:
                              usable=subreaper and warm_spawner.enabled() and not cfg.module and not cfg.no_python)
         if standby is not None:        # started while this agent waited as a hot spare: its imports are done
             self.warm.spawner = standby
-        self.standbys = StandbyPool(sup, events, self.warm, cfg.standby_workers, cfg.nproc_per_node, self.base_env)
+        self.standbys = StandbyPool(sup, events, self.warm, cfg.standby_workers, cfg.nproc_per_node, self.base_env,
+                                    self.slot_dir)
         # tried first for a respawn, in this order
         self.fast: list[WorkerSource] = [self.standbys, self.warm] if cfg.standby_workers else [self.warm]
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
         self._streams: dict[int, list[int]] = {}   # pid -> its tee streams (pipes)
+
+    def slot_dir(self, local_rank: int) -> str:
+        """Where a rank of this local rank keeps its snapshot slots (CheckpointManager.slot_dir, default place)."""
+        from hyperpodrun.runtime import shm_runs
+        return os.path.join(shm_runs.checkpoint_base(), shm_runs.run_dir_name(run=self.rdzv.run_id, owner=os.getpid()),
+                            f"local{local_rank}")
 
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)

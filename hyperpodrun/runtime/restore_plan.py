@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict
 from hyperpodrun.errors import SnapshotCorrupt, StateLostError
 from hyperpodrun.runtime import replicas
 from hyperpodrun.runtime import snapshot_io as io
-from hyperpodrun.runtime.pinned_read import map_readonly
+from hyperpodrun.runtime.pinned_read import map_readonly, prepinned
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -88,7 +88,8 @@ def find_snapshots(directory: str, trusted: Optional[Mapping[str, int]] = None,
             elif settled and unverified is not None:
                 unverified.add(path)
             else:
-                step = io.verify(map_readonly(path, populate=True), path)   # read whole: no fault per page
+                pre = prepinned(path)      # a standby's mapping, already populated; else read whole: no fault per page
+                step = io.verify(pre.map if pre is not None else map_readonly(path, populate=True), path)
         except (SnapshotCorrupt, OSError, ValueError) as exc:
             log.error("ignoring snapshot %s", exc)
             continue

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from hyperpodrun.errors import SnapshotCorrupt
-from hyperpodrun.runtime import safe_codec
+from hyperpodrun.runtime import pinned_read, safe_codec
 from hyperpodrun.runtime.safe_codec import CodecError, TensorRef
 from hyperpodrun.runtime.slot_checksum import CHUNK, ChunkSums, chunk_crcs
 from hyperpodrun.safe_fs import open_private
@@ -102,6 +102,12 @@ class SlotFile:
     def prepare(self, staged: Staged, pin: bool) -> memoryview:
         """Size and map the file for `staged` and mark it incomplete; returns the whole mapping."""
         size = HEADER_LEN + _aligned(len(staged.meta)) + staged.data_len
+        if self._map is None and pin:
+            pre = pinned_read.take(self.path)   # mapped and registered ahead by the standby this rank was
+            if pre is not None and pre.size >= size:
+                self._map, self._size, self._registered = pre.map, pre.size, pre.ptr
+            elif pre is not None:
+                pinned_read.unpin(pre)
         if self._map is None or size > self._size:
             self.close()
             fd = open_private(self.path, os.O_RDWR | os.O_CREAT)

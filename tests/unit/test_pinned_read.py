@@ -57,3 +57,28 @@ def test_the_address_of_a_read_only_mapping_is_its_first_byte(tmp_path):
     import ctypes
     assert ctypes.string_at(buffer_address(m), 3) == b"abc"
     m.close()
+
+
+def test_a_prepinned_mapping_is_used_only_while_the_file_is_the_one_mapped(tmp_path):
+    """The bookkeeping of prepin (a standby's slots; the registration itself needs a GPU): a mapping is
+    handed over while the file has the inode and size it was mapped with, never after it was replaced."""
+    import mmap
+    from hyperpodrun.runtime import pinned_read
+    path = str(tmp_path / "slot0")
+    with open(path, "wb") as fh:
+        fh.write(b"\0" * 8192)
+    st = os.stat(path)
+    fd = os.open(path, os.O_RDWR)
+    entry = pinned_read.Pinned(st.st_ino, st.st_size, mmap.mmap(fd, st.st_size), 0)
+    os.close(fd)
+    pinned_read._PREPINNED[path] = entry
+    try:
+        assert pinned_read.prepinned(path) is entry
+        assert pinned_read.prepin(path) is True          # unchanged: kept, not mapped again
+        (tmp_path / "new").write_bytes(b"\0" * 8192)
+        os.replace(str(tmp_path / "new"), path)          # the slot rewritten as a new file (a peer's copy)
+        assert pinned_read.prepinned(path) is None       # another inode: never read through the old mapping
+        assert pinned_read.take(path) is None
+    finally:
+        pinned_read.unpin_all()
+    assert not pinned_read._PREPINNED
