@@ -67,18 +67,24 @@ class Pinned:
 _PREPINNED: dict[str, Pinned] = {}
 
 
-def unpin(p: Pinned) -> None:
-    """Unregister and close a prepinned mapping (its owner is done with it)."""
-    if p.ptr:
+def release(m: mmap.mmap, ptr: Optional[int]) -> None:
+    """Unregister `ptr` from CUDA (when there is one) and close the mapping - freed with its last view when a
+    view is still alive."""
+    if ptr:
         try:
             import torch
-            torch.cuda.cudart().cudaHostUnregister(p.ptr)
+            torch.cuda.cudart().cudaHostUnregister(ptr)
         except Exception as exc:   # no CUDA any more (a torch without it raises AssertionError)
             log.debug("cudaHostUnregister: %s", exc)
     try:
-        p.map.close()
+        m.close()
     except BufferError:
         pass
+
+
+def unpin(p: Pinned) -> None:
+    """Unregister and close a prepinned mapping (its owner is done with it)."""
+    release(p.map, p.ptr)
 
 
 def _current(path: str) -> Optional[os.stat_result]:
@@ -180,12 +186,9 @@ class DeviceReadable:
         if self._registered is not None:
             import torch
             torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
-            self._registered = None
-        try:
-            self.map.close()
-        except BufferError:      # a view is still alive; the mapping is freed with it
-            pass
+        release(self.map, self._registered)
+        self._registered = None
 
 
-__all__ = ["DeviceReadable", "map_readonly", "buffer_address", "prepin", "prepinned", "take", "unpin", "unpin_all", "Pinned"]
+__all__ = ["DeviceReadable", "map_readonly", "buffer_address", "prepin", "prepinned", "take", "unpin", "unpin_all", "release",
+           "Pinned"]

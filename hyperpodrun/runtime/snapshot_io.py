@@ -140,14 +140,8 @@ class SlotFile:
 
     def close(self) -> None:
         if self._map is not None:
-            if self._registered is not None:
-                import torch
-                torch.cuda.cudart().cudaHostUnregister(self._registered)
-                self._registered = None
-            try:
-                self._map.close()
-            except BufferError:      # a view is still alive; the mapping is freed with it
-                pass
+            pinned_read.release(self._map, self._registered)
+            self._registered = None
             self._map = None
 
     @property

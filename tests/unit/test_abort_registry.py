@@ -41,3 +41,25 @@ def test_a_detached_registry_lets_the_next_group_form_while_the_old_one_lives(tm
 def test_the_background_abort_is_a_setting_on_by_default():
     assert settings.load({}).nccl_abort_background is True
     assert settings.load({"HYPERPODRUN_NCCL_ABORT_BACKGROUND": "0"}).nccl_abort_background is False
+
+
+def test_a_background_abort_forms_the_next_group_at_once_and_the_releaser_waits_for_it(tmp_path):
+    """abort_nccl_in_background's threading with a real group (gloo: its abort() does nothing, so this checks
+    the order of things, not NCCL): the caller goes on with a new group at once, the abort thread runs, and
+    the parked group is destructed only after it, by the releaser."""
+    _group(tmp_path, "b0")
+    try:
+        old_backend = dist.get_backend()
+        assert abort.abort_nccl_in_background()
+        assert not dist.is_initialized()
+        aborter = abort._RELEASER
+        assert aborter is not None and aborter.name == "hyperpodrun-nccl-abort"
+        _group(tmp_path, "b1")
+        t = torch.full((2,), 3.0)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((2,), 3.0)) and old_backend == "gloo"
+        abort.release_parked(wait=True, timeout=10)
+        assert not aborter.is_alive() and abort.parked_count() == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
