@@ -20,7 +20,8 @@ from hyperpodrun.agent.standby import StandbyPool
 from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
-from hyperpodrun.env import WorkerIdentity, hand_down_key, inprocess_env_overrides, worker_env
+from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_key, inprocess_env_overrides,
+                             worker_env)
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -103,8 +104,8 @@ class WorkerLauncher:
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
         if self.cfg.inprocess_restart:
             for name in inprocess_env_overrides(env):
-                log.warning("%s=%s is set: under --inprocess-restart hyperpodrun would set %s so NCCL cleans up "
-                            "instead of killing the surviving ranks; keeping your value", name, env[name], name)
+                log.warning("%s=%s is set: under --inprocess-restart hyperpodrun would set %s=%s (README, Worker "
+                            "environment); keeping your value", name, env[name], name, INPROCESS_NCCL_DEFAULTS[name])
         return env
 
     def identity(self, local_rank: int) -> WorkerIdentity:

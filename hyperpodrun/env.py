@@ -34,6 +34,11 @@ TORCH_SKIP_TCPSTORE = "TORCH_SKIP_TCPSTORE"
 INPROCESS_NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    # ProcessGroupNCCL's heartbeat monitor polls the generation's store for its "should dump" flag; after an
+    # in-process restart that store is closed and each poll printed a c10::Error trace ("Failed to check the
+    # \"should dump\" flag"). The agent's heartbeats and --progress-timeout watch for hangs instead.
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
 
 

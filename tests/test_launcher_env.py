@@ -108,3 +108,19 @@ def test_worker_env_matches_torchrun(launcher, tmp_path, form):
     # all ranks share one run id, one store, one world
     for key in ("TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         assert len({ours_env[r][key] for r in range(4)}) == 1, key
+
+
+def test_in_process_restart_sets_its_nccl_defaults_and_keeps_a_users_own_value(launcher, tmp_path):
+    """Under --inprocess-restart every worker gets hyperpodrun's NCCL settings (README, Worker environment),
+    except one the user set, which is kept - with one warning naming what hyperpodrun would have set."""
+    out = tmp_path / "env"
+    out.mkdir()
+    proc = launcher.start(["--nproc-per-node", "2", "--inprocess-restart", script("dump_env.py"), out],
+                          env={"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})
+    res = proc.wait(60)
+    assert res.rc == 0, res
+    for rank, env in _envs(out).items():
+        expected = {**env_module.INPROCESS_NCCL_DEFAULTS, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+        assert {k: env.get(k) for k in expected} == expected, rank
+    warned = [line for line in res.err.splitlines() if "TORCH_NCCL_DUMP_ON_TIMEOUT=1 is set" in line]
+    assert len(warned) == 1 and "would set TORCH_NCCL_DUMP_ON_TIMEOUT=0" in warned[0], res.err
