@@ -27,6 +27,8 @@ PF_POSTCOREDUMP = 0x00000008   # set first thing in do_exit (Linux >= 5.16; unus
 EXIT_BEGUN = PF_EXITING | PF_POSTCOREDUMP
 #: how often the thread reads each live worker's /proc/<pid>/stat (a few microseconds per read)
 POLL_S = 0.005
+#: and how often it looks again while it watches nothing (a hot spare, between generations)
+IDLE_S = 0.1
 
 
 def exiting_status(stat: bytes) -> Optional[int]:
@@ -95,7 +97,7 @@ class DeathWatch:
         return seen
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.wait(self._interval if self._fds else IDLE_S):
             found = False
             with self._lock:
                 for pid, fd in list(self._fds.items()):
