@@ -255,8 +255,11 @@ def test_an_exception_while_the_last_save_is_still_copying_keeps_that_step(tmp_p
 
 @pytest.mark.slow
 def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, reference):
-    """DDP replicates over its process group: a rank whose shared memory is gone recovers from a peer."""
-    rc, out, err = run_job(tmp_path, "replica", "ddp", "wipe-kill:2:4:top", extra_env={"CHECKSUM": "1"})
+    """DDP replicates over its process group: a rank whose shared memory is gone recovers from a peer.
+    The rank goes once every peer has saved step 4 (FAULT_AFTER_PEERS_SAVED): otherwise a peer that the restart
+    catches between its optimizer step and that save rightly makes the job restore step 3 (seen under load)."""
+    rc, out, err = run_job(tmp_path, "replica", "ddp", "wipe-kill:2:4:top",
+                           extra_env={"CHECKSUM": "1", "FAULT_AFTER_PEERS_SAVED": "1", "STEP_SLEEP": "0.02"})
     assert rc == 0, err[-3000:]
     restored = [e for e in events(tmp_path, "replica") if e["event"] == "state_restored"]
     assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4
