@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hyperpodrun.agent.death_watch import DeathWatch
 from hyperpodrun.agent.reaper import kill_sessions, session_members
@@ -66,7 +66,6 @@ class WorkerProcess:
     pidfd: Optional[int] = None
     returncode: Optional[int] = None
     signalled: bool = False   # we sent it a signal (shutdown, restart): its death is not the root cause
-    dying: bool = False       # declared dead when its exit began (returncode set), not yet reaped
 
     @property
     def pid(self) -> int:
@@ -128,7 +127,7 @@ class Supervisor:
         self._dying: list[WorkerProcess] = []         # declared dead, still tearing down (not reaped yet)
         self.death_watch: Optional[DeathWatch] = None
 
-    def watch_deaths(self, wake: Any) -> None:
+    def watch_deaths(self, wake: Callable[[], None]) -> None:
         """See failures when they begin (agent/death_watch.py); `wake` wakes the caller's loop."""
         if self.death_watch is None:
             self.death_watch = DeathWatch(wake)
@@ -172,7 +171,7 @@ class Supervisor:
             if code is None:
                 if proc.pid not in dying:
                     continue
-                proc.returncode, proc.dying = dying[proc.pid], True
+                proc.returncode = dying[proc.pid]
                 self._dying.append(proc)
                 try:     # its children and threads go with it now, not after its teardown
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -186,7 +185,6 @@ class Supervisor:
         for proc in list(self._dying):
             if proc.popen.poll() is not None:
                 self._dying.remove(proc)
-                proc.dying = False
                 self._finish(proc)
         return done
 
@@ -197,8 +195,7 @@ class Supervisor:
         self._end_session(proc.pid)
 
     def pidfds(self) -> list[int]:
-        return [p.pidfd for p in [*self.workers.values(), *self._dying]
-                if (p.alive or p.dying) and p.pidfd is not None]
+        return [p.pidfd for p in self.live() if p.pidfd is not None]
 
     def live(self) -> list[WorkerProcess]:
         """Workers still running: the live ones, and the ones declared dead whose teardown has not ended."""

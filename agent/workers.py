@@ -22,6 +22,7 @@ from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
 from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_key, inprocess_env_overrides,
                              worker_env)
+from hyperpodrun.runtime import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -89,10 +90,8 @@ class WorkerLauncher:
         self._streams: dict[int, list[int]] = {}   # pid -> its tee streams (pipes)
 
     def slot_dir(self, local_rank: int) -> str:
-        """Where a rank of this local rank keeps its snapshot slots (CheckpointManager.slot_dir, default place)."""
-        from hyperpodrun.runtime import shm_runs
-        return os.path.join(shm_runs.checkpoint_base(), shm_runs.run_dir_name(run=self.rdzv.run_id, owner=os.getpid()),
-                            f"local{local_rank}")
+        """Where a rank of this local rank keeps its snapshot slots (CheckpointManager's default place)."""
+        return shm_runs.slot_dir(local_rank, run=self.rdzv.run_id, owner=os.getpid())
 
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -138,8 +138,10 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
         info["cuda_error"] = f"{type(exc).__name__}: {exc}"
     try:
         chan.send(json.dumps(info).encode())
+        if slot_dir is not None:
+            from hyperpodrun.runtime import pinned_read
         while slot_dir is not None and not select.select([chan], [], [], PREPIN_EVERY_S)[0]:
-            prepin_slots(slot_dir)   # the slots it would restore from, mapped and pinned while it waits
+            pinned_read.prepin_dir(slot_dir)   # the slots it would restore from, mapped and pinned meanwhile
         msg, fds, _, _ = socket.recv_fds(chan, 1 << 20, 2)
     except OSError:
         return None
@@ -174,13 +176,6 @@ def warm_nccl(device: int) -> Optional[float]:
     finally:
         dist.destroy_process_group()
     return round(time.monotonic() - t0, 3)
-
-
-def prepin_slots(slot_dir: str) -> None:
-    """Map and pin the rank's slot files that exist now (hyperpodrun/runtime/pinned_read.py)."""
-    from hyperpodrun.runtime import pinned_read
-    for name in ("slot0", "slot1"):
-        pinned_read.prepin(os.path.join(slot_dir, name))
 
 
 def become_worker(req: dict[str, Any], fds: list[int]) -> str:

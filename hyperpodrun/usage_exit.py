@@ -9,7 +9,7 @@ import sys
 from types import TracebackType
 from typing import Optional
 
-_AGENT_ENV = "HYPERPODRUN_AGENT_PID"   # set by the agent for its workers (hyperpodrun/env.py)
+from hyperpodrun.env import HYPERPODRUN_AGENT_PID   # set by the agent for its workers
 
 
 def one_line(exc: BaseException) -> str:
@@ -20,7 +20,7 @@ def one_line(exc: BaseException) -> str:
 
 def install() -> None:
     """Install the hook in a worker started by hyperpodrun (once; elsewhere nothing changes)."""
-    if not os.environ.get(_AGENT_ENV) or getattr(sys.excepthook, "_hyperpodrun_usage", False):
+    if not os.environ.get(HYPERPODRUN_AGENT_PID) or getattr(sys.excepthook, "_hyperpodrun_usage", False):
         return
     previous = sys.excepthook
 

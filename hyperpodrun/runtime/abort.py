@@ -203,7 +203,7 @@ class AbortProcessGroups(Abort):
         except Exception:
             pass
         park_process_groups()
-        if "nccl" in backend and settings.current().nccl_abort_background and abort_nccl_in_background():
+        if "nccl" in backend and abort_nccl_in_background():
             shutdown_generation_sockets()
             return
         if "nccl" in backend:
@@ -256,8 +256,11 @@ def abort_nccl_in_background() -> bool:
     works again, and a thread runs their aborts inside one NCCL group (as _abort_process_group does, so the
     communicators' aborts cannot deadlock each other). The releaser of parked groups waits for that thread
     before it destructs any (release_parked), and so does the end of the job. Returns False (nothing done)
-    where this torch lacks what it needs; the caller then aborts in its own thread."""
+    with HYPERPODRUN_NCCL_ABORT_BACKGROUND=0 or where this torch lacks what it needs; the caller then aborts
+    in its own thread."""
     global _RELEASER
+    if not settings.current().nccl_abort_background:
+        return False
     try:
         import torch
         import torch.distributed as dist

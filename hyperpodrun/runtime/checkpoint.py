@@ -161,10 +161,8 @@ class CheckpointManager:
         return int(os.environ.get("RANK", 0))
 
     def slot_dir(self) -> str:
-        """This process's slot directory on this node: named by its local rank, which - unlike its global rank,
-        which an elastic job renumbers - stays the same for every process that runs this rank on this node."""
-        return os.path.join(shm_runs.checkpoint_base(self.shm_dir), shm_runs.run_dir_name(),
-                            f"local{os.environ.get('LOCAL_RANK', '0')}")
+        """This process's slot directory on this node (shm_runs.slot_dir)."""
+        return shm_runs.slot_dir(int(os.environ.get("LOCAL_RANK", "0")), shm_dir=self.shm_dir)
 
     def _ensure_dir(self) -> str:
         """Create (or join) the run directory and this rank's slot directory, ours alone (safe_fs); the

@@ -54,6 +54,24 @@ def buffer_address(buf: Any) -> int:
         return int(torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr())
 
 
+def register(m: mmap.mmap, read_only: bool, what: str) -> Optional[int]:
+    """Register the whole mapping with CUDA as pinned memory (`read_only`: the device only reads it); its
+    address, or None - with one log line naming `what` and why - where CUDA is not there or says no."""
+    try:
+        import torch
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        ptr = buffer_address(m)
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, len(m), _REGISTER_READ_ONLY if read_only else 0))
+    except (RuntimeError, AttributeError, TypeError, ValueError) as exc:
+        log.info("%s not pinned (%s): its device copies are pageable ones", what, exc)
+        return None
+    if err != 0:
+        log.info("%s not pinned (cudaHostRegister: error %d): its device copies are pageable ones", what, err)
+        return None
+    return ptr
+
+
 @dataclass
 class Pinned:
     """A slot file mapped shared (read-write: its rank's saves write it) and registered with CUDA."""
@@ -106,23 +124,36 @@ def prepin(path: str) -> bool:
         unpin(_PREPINNED.pop(path))
     if st is None or st.st_size == 0:
         return False
+    from hyperpodrun.safe_fs import open_private
     try:
-        import torch
-        from hyperpodrun.safe_fs import open_private
         fd = open_private(path, os.O_RDWR)
         try:
             m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        ptr = buffer_address(m)
-        if int(torch.cuda.cudart().cudaHostRegister(ptr, st.st_size, 0)) != 0:
-            m.close()
-            return False
-    except (OSError, RuntimeError, AttributeError, TypeError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         log.info("could not prepin %s: %s", path, exc)
+        return False
+    ptr = register(m, read_only=False, what=path)
+    if ptr is None:
+        m.close()
         return False
     _PREPINNED[path] = Pinned(st.st_ino, st.st_size, m, ptr)
     return True
+
+
+def prepin_dir(directory: str) -> None:
+    """Prepin every slot file in `directory` (a standby's rank's slots, re-checked while it waits); the ones
+    that are gone are let go (their pages are freed only when nobody maps them)."""
+    try:
+        names = [n for n in os.listdir(directory) if not n.endswith(".tmp")]
+    except OSError:
+        names = []
+    paths = {os.path.join(directory, n) for n in names}
+    for path in [p for p in _PREPINNED if os.path.dirname(p) == directory and p not in paths]:
+        unpin(_PREPINNED.pop(path))
+    for path in sorted(paths):
+        prepin(path)
 
 
 def prepinned(path: str) -> Optional[Pinned]:
@@ -157,25 +188,11 @@ class DeviceReadable:
         self._borrowed = pre is not None
         self.map = pre.map if pre is not None else map_readonly(path, populate=True)
         if pin and pre is None and len(self.map):
-            self._register()
+            self._registered = register(self.map, read_only=True, what=f"the restore's slot {path}")
 
     @property
     def pinned(self) -> bool:
         return self._registered is not None or self._borrowed
-
-    def _register(self) -> None:
-        try:
-            import torch
-            if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-                return
-            ptr = buffer_address(self.map)
-            err = torch.cuda.cudart().cudaHostRegister(ptr, len(self.map), _REGISTER_READ_ONLY)
-            if int(err) == 0:
-                self._registered = ptr
-            else:
-                log.info("restore reads its slot unpinned (cudaHostRegister: error %s): a pageable copy", int(err))
-        except (RuntimeError, AttributeError, TypeError, ValueError) as exc:
-            log.info("restore reads its slot unpinned (%s): a pageable copy", exc)
 
     def close(self) -> None:
         """Wait for the copies out of the mapping, then unpin it (the mapping goes with its last view)."""
@@ -190,5 +207,6 @@ class DeviceReadable:
         self._registered = None
 
 
-__all__ = ["DeviceReadable", "map_readonly", "buffer_address", "prepin", "prepinned", "take", "unpin", "unpin_all", "release",
+__all__ = ["DeviceReadable", "map_readonly", "buffer_address", "prepin", "prepinned", "take", "unpin", "unpin_all", "release", "register",
+           "prepin_dir",
            "Pinned"]

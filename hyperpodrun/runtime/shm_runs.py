@@ -276,11 +276,19 @@ def remove_finished(base: str, run: str, owner: int) -> bool:
     return not os.path.exists(path)
 
 
+def slot_dir(local_rank: int, run: Optional[str] = None, owner: Optional[int] = None,
+             shm_dir: Optional[str] = None) -> str:
+    """Where the process running local rank `local_rank` on this node keeps its snapshot slots: named by its
+    local rank, which - unlike its global rank, which an elastic job renumbers - stays the same for every
+    process that runs this rank on this node (CheckpointManager; the agent tells its standbys)."""
+    return os.path.join(checkpoint_base(shm_dir), run_dir_name(run, owner), f"local{local_rank}")
+
+
 def checkpoint_base(shm_dir: Optional[str] = None) -> str:
     """Where CheckpointManager keeps its run directories: `<shm>/hyperpodrun-<uid>`."""
     shm = shm_dir or settings.current().shm_dir
     return os.path.join(shm, f"hyperpodrun-{os.getuid()}")
 
 
-__all__ = ["open_run", "open_runs", "remove_stale", "remove_finished", "checkpoint_base", "run_id", "owner_pid", "start_time",
+__all__ = ["slot_dir", "open_run", "open_runs", "remove_stale", "remove_finished", "checkpoint_base", "run_id", "owner_pid", "start_time",
            "RunDir", "check_base", "run_dir_name"]

@@ -119,24 +119,10 @@ class SlotFile:
                 os.close(fd)
             self._size = size
             if pin:
-                self._pin()
+                self._registered = pinned_read.register(self._map, read_only=False, what=f"snapshot slot {self.path}")
         assert self._map is not None
         self._map[:HEADER_LEN] = b"\0" * HEADER_LEN             # incomplete until written again
         return memoryview(self._map)
-
-    def _pin(self) -> None:
-        import ctypes
-        import torch
-        if self._map is None:
-            return
-        try:
-            buf = (ctypes.c_char * self._size).from_buffer(self._map)
-            ptr = ctypes.addressof(buf)
-            del buf
-            if torch.cuda.cudart().cudaHostRegister(ptr, self._size, 0) == 0:
-                self._registered = ptr
-        except (RuntimeError, AttributeError, TypeError, ValueError) as exc:
-            log.info("snapshot slot not pinned (%s): device copies will be synchronous", exc)
 
     def close(self) -> None:
         if self._map is not None:

@@ -42,9 +42,8 @@ def _abort_nccl_from_monitor() -> None:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend()).lower():
             return
-        from hyperpodrun import settings
         from hyperpodrun.runtime.abort import abort_nccl_in_background
-        if settings.current().nccl_abort_background and abort_nccl_in_background():
+        if abort_nccl_in_background():
             log.warning("rank %s: NCCL communicators being aborted on RESTART", os.environ.get("RANK"))
             return
         abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)

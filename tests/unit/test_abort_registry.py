@@ -38,9 +38,15 @@ def test_a_detached_registry_lets_the_next_group_form_while_the_old_one_lives(tm
             dist.destroy_process_group()
 
 
-def test_the_background_abort_is_a_setting_on_by_default():
+def test_the_background_abort_is_on_by_default_and_off_leaves_the_groups_alone(tmp_path, monkeypatch):
     assert settings.load({}).nccl_abort_background is True
-    assert settings.load({"HYPERPODRUN_NCCL_ABORT_BACKGROUND": "0"}).nccl_abort_background is False
+    monkeypatch.setenv("HYPERPODRUN_NCCL_ABORT_BACKGROUND", "0")
+    _group(tmp_path, "off")
+    try:
+        assert abort.abort_nccl_in_background() is False   # the caller aborts in its own thread instead
+        assert dist.is_initialized() and abort.parked_count() == 0
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_background_abort_forms_the_next_group_at_once_and_the_releaser_waits_for_it(tmp_path):

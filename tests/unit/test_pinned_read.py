@@ -82,3 +82,27 @@ def test_a_prepinned_mapping_is_used_only_while_the_file_is_the_one_mapped(tmp_p
     finally:
         pinned_read.unpin_all()
     assert not pinned_read._PREPINNED
+
+
+def test_a_standby_lets_go_of_a_slot_that_is_gone(tmp_path):
+    """prepin_dir (a waiting standby's re-check) drops the mapping of a slot file that was removed, so the
+    removed file's pages are not held pinned; files still there keep theirs."""
+    import mmap
+    from hyperpodrun.runtime import pinned_read
+    entries = {}
+    for name in ("slot0", "slot1"):
+        path = str(tmp_path / name)
+        with open(path, "wb") as fh:
+            fh.write(b"\0" * 4096)
+        fd = os.open(path, os.O_RDWR)
+        st = os.fstat(fd)
+        entries[name] = pinned_read.Pinned(st.st_ino, st.st_size, mmap.mmap(fd, st.st_size), 0)
+        os.close(fd)
+        pinned_read._PREPINNED[path] = entries[name]
+    try:
+        os.unlink(tmp_path / "slot1")
+        pinned_read.prepin_dir(str(tmp_path))
+        assert pinned_read.prepinned(str(tmp_path / "slot0")) is entries["slot0"]
+        assert str(tmp_path / "slot1") not in pinned_read._PREPINNED
+    finally:
+        pinned_read.unpin_all()
