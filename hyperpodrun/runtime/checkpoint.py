@@ -73,6 +73,12 @@ class CheckpointManager:
         returns at once, the copy (by DMA on a side CUDA stream for device tensors) runs while the next
         forward/backward runs, and the next optimizer step waits for it. A fault before the copy
         completes costs one more step. Without it `save` returns once the slot is complete.
+    stage_on_device: with enable_offload, copy the deferred GPU tensors first into buffers on their own
+        GPU (device-to-device, a few ms per GB) and from there to the host slot: the next optimizer step
+        then waits only for that first copy, not for the device->host copy (PCIe, ~55 GB/s on an H200
+        host), which may run over several steps. Costs GPU memory equal to the parameters and optimizer
+        state (the buffers are kept between saves). For a state whose device->host copy is longer than a
+        step's forward and backward; with snapshots every k steps where it is longer than a whole step.
     fallback_dir / fallback_every: also write every N-th snapshot to disk, asynchronously and atomically,
         for the case where shared memory is lost too.
     replica_groups / num_distributed_optimizer_instances: ranks that hold identical state (a rank that
@@ -89,7 +95,7 @@ class CheckpointManager:
                  fallback_dir: Optional[str] = None, fallback_every: Optional[int] = None,
                  shm_dir: Optional[str] = None, replica_groups: Optional[Sequence[Sequence[int]]] = None,
                  num_distributed_optimizer_instances: Optional[int] = None,
-                 peer_copy: Optional[bool] = None, reuse_live: bool = True) -> None:
+                 peer_copy: Optional[bool] = None, reuse_live: bool = True, stage_on_device: bool = False) -> None:
         if replica_groups is not None and num_distributed_optimizer_instances is not None:
             raise ApiValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
                                 "not both")
@@ -98,6 +104,9 @@ class CheckpointManager:
                                 f"{num_distributed_optimizer_instances}): must be >= 1 (2 or more for redundancy)")
         if fallback_every is not None and fallback_every < 1:
             raise ApiValueError(f"CheckpointManager(fallback_every={fallback_every}): must be >= 1")
+        if stage_on_device and not enable_offload:
+            raise ApiValueError("CheckpointManager(stage_on_device=True) stages the copy that enable_offload "
+                                "takes off the step: give enable_offload=True as well")
         if fallback_every is not None and not fallback_dir:
             raise ApiValueError("CheckpointManager(fallback_every=...) needs fallback_dir= (where to write)")
         self.enable_checksum = enable_checksum
@@ -113,6 +122,8 @@ class CheckpointManager:
         self._writer = io.SlotWriter()
         self._files: dict[str, io.SlotFile] = {}
         self._streams = io.SideStream()
+        self.stage_on_device = stage_on_device
+        self._staging: Optional[io.DeviceStaging] = io.DeviceStaging() if stage_on_device else None
         self._hook: Any = None
         self._layouts = LayoutKeeper()
         self.last_saved: Optional[int] = None
@@ -183,6 +194,8 @@ class CheckpointManager:
         for slot in self._files.values():
             slot.close()
         self._files.clear()
+        if self._staging is not None:
+            self._staging.release()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -247,7 +260,7 @@ class CheckpointManager:
         path = os.path.join(d, f"slot{step % 2}")
         slot = self._files.setdefault(path, io.SlotFile(path))
         view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
-        io.copy_now(view, staged, self._streams)
+        io.copy_now(view, staged, self._streams, self._staging)
 
         session = self._session
         generation = getattr(self._caller, "iteration", 0)
@@ -268,6 +281,7 @@ class CheckpointManager:
             if io.finish_copies(view, staged, no_restart_since):
                 return True
             log.info("snapshot of step %d dropped: a restart was requested before it was complete", step)
+            self._inflight = None
             return False
 
         def sealed() -> None:
@@ -297,7 +311,21 @@ class CheckpointManager:
         the checksum, which reads the slot and may overlap the step)."""
         if self._hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
-            self._hook = register_optimizer_step_pre_hook(lambda *_a: self._writer.wait_copied())
+            self._hook = register_optimizer_step_pre_hook(lambda *_a: self._before_optimizer_step())
+
+    def _before_optimizer_step(self) -> None:
+        """Without staging: wait until the copy in flight is done. With it: wait for the host tensors' copy
+        only, and make the device's compute stream wait (on the device, the host runs on) for the staging
+        copies; the device->host copy goes on behind the step."""
+        inflight = self._inflight
+        if self._staging is None or inflight is None or not inflight[0].staged_events:
+            self._writer.wait_copied()
+            return
+        import torch
+        staged = inflight[0]
+        staged.host_copied.wait()
+        for device, event in list(staged.staged_events.items()):
+            torch.cuda.current_stream(device).wait_event(event)
 
     def _write_fallback(self, step: int, slot: str) -> None:
         if self._fallback is not None:
@@ -363,15 +391,36 @@ class CheckpointManager:
 
         def blob_for(receiver: int, kind: str) -> bytes:
             return bytes(map_private(shm[step] if kind == "replica" else copies[receiver][step]))
+
+        def live_for(receiver: int, kind: str) -> Optional[dict]:   # my objects, still at `step` (live_state.py)
+            ok = kind == "replica" and live is not None and self._live is not None and self._live.step == step
+            return self._snapshot_of_live(live) if ok and live is not None else None
         data: Any = None
+        streamed: Optional[dict] = None
+        self.restored_via = None
         if plan.pairs and dist.is_available() and dist.is_initialized():
-            received = replicas.transfer(plan.pairs, self.rank, blob_for)
-            if received is not None:
-                data = bytearray(received)
-                self._keep(step, received)
+            from hyperpodrun.runtime import replica_stream
+            got = replica_stream.exchange(plan.pairs, self.rank, live_for, blob_for, replica_stream.placement(state))
+            if got is not None:
+                self.restored_via = got.via
+                if got.payload is not None:
+                    streamed = got.payload
+                else:
+                    data = bytearray(got.blob)
+                    self._keep(step, got.blob)
         if live is not None and self._live is not None and self._live.step == step and step in shm:
             self._load_live(live, state)
             self.restored_from = "live"
+        elif streamed is not None:
+            self._live = None
+            if streamed["step"] != step:
+                raise StateLostError(f"rank {self.rank}: its replica peer sent step {streamed['step']}, not {step}")
+            # the received tensors are this rank's own, on its device: loaded like a decoded snapshot (device
+            # copies into same-shaped tensors in place, stream-ordered), then saved as this rank's own slot
+            self._load(streamed, state, non_blocking=True)
+            streamed = None
+            self.restored_from = "replica"
+            self.save(step, state)
         else:
             self._live = None
             source = "replica" if data is not None else ("shm" if step in shm else "disk")
@@ -399,7 +448,8 @@ class CheckpointManager:
                                           step=step, lost_steps=plan.lost_steps, source=plan.source))
         log.info("restored step %d (%d step(s) lost); this rank's state: %s", step, plan.lost_steps,
                  "its own objects, unchanged since that save" if self.restored_from == "live" else
-                 f"copied from {self.restored_from}")
+                 f"copied from {self.restored_from}" + {"live": " (live tensors)", "slot": " (slot bytes)"}.get(
+                     self.restored_via or "", ""))
         return step
 
     def _restore_resized(self, state: Mapping[str, Any]) -> Optional[int]:
@@ -513,6 +563,17 @@ class CheckpointManager:
         self._writer.wait()
         if self._fallback is not None:
             self._fallback.join()
+
+    #: how a restore() that copied this rank's state from a replica peer (restored_from == "replica") got it:
+    #: "live" - the peer's own tensors, still at that step, sent over the process group (GPU to GPU on NCCL;
+    #: hyperpodrun/runtime/replica_stream.py) - or "slot" - the bytes of the peer's snapshot slot (a peer whose
+    #: objects moved on or were built again, reuse_live=False, a copy held on another node); None otherwise
+    restored_via: Optional[str] = None
+
+    @staticmethod
+    def _snapshot_of_live(live: Mapping[str, Any]) -> dict:
+        """A LiveState payload (entries (kind, value, tensors only)) as a snapshot payload (kind, value)."""
+        return {**live, "state": {name: (kind, saved) for name, (kind, saved, _only) in live["state"].items()}}
 
 
 def _has_cuda_tensors(state: Mapping[str, Any]) -> bool:

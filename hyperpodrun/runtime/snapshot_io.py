@@ -9,7 +9,11 @@ bytes (no pickle), whoever wrote them.
 
 With `defer`, the large tensors that only the optimizer step changes (parameters, optimizer state) are
 copied later: GPU tensors on a side CUDA stream, host tensors by the writer thread; forward and backward
-of the next step overlap the copy, and the optimizer step waits for it (see CheckpointManager).
+of the next step overlap the copy, and the optimizer step waits for it (see CheckpointManager). With a
+`DeviceStaging` as well, the side stream first copies the deferred GPU tensors into buffers on their own
+device (at memory speed, a few ms per GB) and then to the slot from those buffers: the optimizer step
+then waits for the device-to-device copy only, and the device->host copy (bound by PCIe) may run over
+several of the following steps. The buffers cost as much device memory as the tensors they hold.
 
 Layout: a 64-byte header (magic, step, checksum, complete flag, metadata length, data length, checksum
 chunk size), the metadata block, then the tensor data (64-byte aligned). The header is marked incomplete
@@ -64,6 +68,14 @@ class Staged:
     source_events: dict[Any, Any] = field(default_factory=dict)
     data_len: int = 0
     sums: Optional[ChunkSums] = None       # the data chunks' CRC32s, summed as the copies complete
+    #: per device, an event recorded on the side stream once the deferred tensors are in their staging
+    #: buffers (DeviceStaging): from then on the sources may change
+    staged_events: dict[Any, Any] = field(default_factory=dict)
+    #: (index, event recorded after its device->host copy) per deferred device tensor, in stream order: the
+    #: checksum threads sum each tensor's bytes as soon as its copy is done, behind the DMA
+    device_done: list[tuple[int, Any]] = field(default_factory=list)
+    #: set once the deferred host tensors are in the slot (finish_copies)
+    host_copied: threading.Event = field(default_factory=threading.Event)
     copied: int = 0                        # tensors[:copied] are in the slot (a prefix: see _copied)
     done: set[int] = field(default_factory=set)
 
@@ -152,6 +164,37 @@ class SideStream:
         return self._streams[device]
 
 
+class DeviceStaging:
+    """Buffers on the GPU that hold a snapshot's deferred device tensors while they are copied to the host.
+
+    Kept from one save to the next (one buffer per deferred tensor, reused while its shape, dtype and
+    device stay the same), so a steady training loop allocates them once. `release()` frees them."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Any] = []
+
+    def buffer(self, index: int, src: Any) -> Any:
+        """The staging buffer for the `index`-th deferred device tensor of a save, shaped like `src`."""
+        import torch
+        while len(self._buffers) <= index:
+            self._buffers.append(None)
+        buf = self._buffers[index]
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.device != src.device:
+            self._buffers[index] = buf = torch.empty_like(src, memory_format=torch.contiguous_format)
+        return buf
+
+    def trim(self, count: int) -> None:
+        """Free the buffers past the first `count` (a save with fewer deferred device tensors)."""
+        del self._buffers[count:]
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
+
+
 def _dst(view: memoryview, staged: Staged, ref: TensorRef) -> Any:
     import torch
     start = HEADER_LEN + _aligned(len(staged.meta)) + ref.offset
@@ -171,13 +214,14 @@ def _copied(staged: Staged, index: int) -> None:
         staged.sums.advance(end)
 
 
-def copy_now(view: memoryview, staged: Staged, streams: SideStream) -> None:
-    """Copy the tensors not deferred, and launch the deferred device copies on the side stream; the
-    checksum threads start summing behind the copy."""
+def copy_now(view: memoryview, staged: Staged, streams: SideStream, staging: Optional[DeviceStaging] = None) -> None:
+    """Copy the tensors not deferred, and launch the deferred device copies on the side stream (through
+    `staging`'s device buffers when given); the checksum threads start summing behind the copy."""
     import torch
     staged.sums = ChunkSums(view, HEADER_LEN + _aligned(len(staged.meta)), staged.data_len)
     if any(src.is_cuda for src, _ref, _deferred in staged.tensors):
         staged.sums.start()       # sum behind the DMA; host copies use torch's threads: summed after them
+    to_host: list[tuple[int, Any, Any, TensorRef]] = []   # (index, side stream, device buffer, ref): staged
     try:
         for i, (src, ref, deferred) in enumerate(staged.tensors):
             if ref.nbytes == 0:
@@ -193,13 +237,35 @@ def copy_now(view: memoryview, staged: Staged, streams: SideStream) -> None:
                     staged.source_events[src.device] = source
                 stream.wait_stream(torch.cuda.current_stream(src.device))
                 with torch.cuda.stream(stream):
-                    _dst(view, staged, ref).copy_(src, non_blocking=True)
+                    if staging is not None:
+                        buf = staging.buffer(len(to_host), src)
+                        buf.copy_(src, non_blocking=True)
+                        to_host.append((i, stream, buf, ref))
+                    else:
+                        _dst(view, staged, ref).copy_(src, non_blocking=True)
+                        _record_done(staged, i, stream)
                     src.record_stream(stream)
-                staged.cuda_event = torch.cuda.Event()
-                staged.cuda_event.record(stream)
+        if staging is not None:
+            staging.trim(len(to_host))
+            for stream in {id(s): s for _i, s, _b, _r in to_host}.values():
+                event = torch.cuda.Event()
+                event.record(stream)
+                staged.staged_events[stream.device] = event
+            for i, stream, buf, ref in to_host:      # the same stream: after every staging copy
+                with torch.cuda.stream(stream):
+                    _dst(view, staged, ref).copy_(buf, non_blocking=True)
+                _record_done(staged, i, stream)
     except BaseException:
         staged.sums.cancel()
         raise
+
+
+def _record_done(staged: Staged, index: int, stream: Any) -> None:
+    import torch
+    event = torch.cuda.Event()
+    event.record(stream)
+    staged.device_done.append((index, event))
+    staged.cuda_event = event
 
 
 def checksum(view: memoryview, step: int, meta_len: int, data_len: int, chunk: int = CHUNK,
@@ -225,6 +291,10 @@ def finish_copies(view: memoryview, staged: Staged, valid: Callable[[], bool] = 
             if deferred and not src.is_cuda and ref.nbytes:
                 _dst(view, staged, ref).copy_(src)
                 _copied(staged, i)
+        staged.host_copied.set()
+        for i, event in staged.device_done:
+            event.synchronize()
+            _copied(staged, i)
         if staged.cuda_event is not None:
             staged.cuda_event.synchronize()
         ok = bool(valid())
@@ -232,7 +302,9 @@ def finish_copies(view: memoryview, staged: Staged, valid: Callable[[], bool] = 
         ok = False
         raise
     finally:
+        staged.host_copied.set()
         staged.tensors.clear()
+        staged.device_done.clear()
         if not ok and staged.sums is not None:
             staged.sums.cancel()
     return ok

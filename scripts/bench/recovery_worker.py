@@ -3,7 +3,8 @@ system, so that the same model, optimizer, batch and steps run under each (SYSTE
 
   torchrun       a torch.save checkpoint every CKPT_EVERY steps, reloaded when torchrun starts it again
   hpr-process    the same, under hyperpodrun --max-restarts (process level)
-  hpr-inprocess  HPWrapper + CheckpointManager (state in memory; OFFLOAD=1: the copy overlaps the next step),
+  hpr-inprocess  HPWrapper + CheckpointManager (state in memory; OFFLOAD=1: the copy overlaps the next step;
+                 with STAGED=1 too, through device buffers: stage_on_device=True),
                  under hyperpodrun --inprocess-restart; model and optimizer outside the wrapped function
   nvrx           NVIDIA Resiliency Extension's inprocess.Wrapper as its basic example starts it (a fresh
                  TCPStore per iteration, the model built in the wrapped function, a torch.save checkpoint every
@@ -146,7 +147,8 @@ def hyperpodrun_inprocess() -> None:
     keeps them (on the GPU), and restore() leaves them as they are when they are still at the restored step
     (CheckpointManager's reuse_live). Only DDP, which holds the process group, is made again per generation."""
     from hyperpodrun import CheckpointManager, HPWrapper
-    cm = CheckpointManager(enable_offload=os.environ.get("OFFLOAD") == "1")
+    offload = os.environ.get("OFFLOAD") == "1"
+    cm = CheckpointManager(enable_offload=offload, stage_on_device=offload and os.environ.get("STAGED") == "1")
     dev = device()
     model, opt = build_model(dev)
 
