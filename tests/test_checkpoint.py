@@ -204,6 +204,17 @@ def restores(out: str) -> dict[int, dict[int, str]]:
     return got
 
 
+def vias(out: str) -> dict[int, dict[int, str]]:
+    """rank -> generation -> how a replica peer sent the rank its state (CheckpointManager.restored_via)."""
+    got: dict[int, dict[int, str]] = {}
+    for rank in range(4):
+        with open(os.path.join(out, f"via.rank{rank}")) as fh:
+            for line in fh:
+                gen, via = line.split()
+                got.setdefault(rank, {})[int(gen)] = via
+    return got
+
+
 @pytest.mark.slow
 def test_survivors_keep_their_own_state_unless_it_moved_past_the_restored_step(tmp_path, reference):
     """Model and optimizer built outside the re-executed function, so survivors keep them. Generation 0: an
@@ -264,6 +275,34 @@ def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, ref
     restored = [e for e in events(tmp_path, "replica") if e["event"] == "state_restored"]
     assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4
     assert_same(reference("ddp"), out)
+    # the survivors build their DDP modules again in the re-executed function: no donor has live objects at
+    # step 4, so the donor sends its slot's bytes
+    how, via = restores(out), vias(out)
+    assert how[2][1] == "replica" and via[2][1] == "slot", f"{how} {via}"
+    assert all(how[r][1] == "shm" and via[r][1] == "None" for r in (0, 1, 3)), f"{how} {via}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reuse_live,sent", [("1", "live"), ("0", "slot")])
+def test_rank_that_lost_its_snapshots_gets_a_survivors_live_tensors(tmp_path, reference, reuse_live, sent):
+    """Explicit replica group {0,1,2,3} over the hand-written all-reduce loop (every rank holds the same
+    state), objects built outside the re-executed function: the survivors' objects are still at step 4 when
+    rank 2 goes with its snapshots, so its donor (rank 0) sends its live tensors (metadata in safe_codec, the
+    tensors over the process group) - no slot is read or decoded on either side. With reuse_live=False the
+    donor keeps no live state and sends its slot's bytes. Either way the receiver holds step 4 in its own slot
+    again: killed once more before its next save (generation 1), its replacement loads it from there. Both
+    end bitwise equal to the fault-free run."""
+    rc, out, err = run_job(tmp_path, f"stream{reuse_live}", "allreduce", "wipe-kill:2:4:top;kill:2:4:top:1",
+                           extra_env={"BUILD_OUTSIDE": "1", "REPLICAS": "0,1,2,3", "REUSE_LIVE": reuse_live,
+                                      "CHECKSUM": "1", "FAULT_AFTER_PEERS_SAVED": "1", "STEP_SLEEP": "0.02"})
+    assert rc == 0, err[-3000:]
+    restored = [e for e in events(tmp_path, f"stream{reuse_live}") if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4, restored
+    assert_same(reference("allreduce"), out)
+    how, via = restores(out), vias(out)
+    assert how[2][1] == "replica" and via[2][1] == sent, f"{how} {via}"
+    assert all(how[r][1] == ("live" if sent == "live" else "shm") for r in (0, 1, 3)), f"{how} {via}"
+    assert how[2][2] == "shm" and via[2][2] == "None", f"the receiver did not keep step 4: {how} {via}"
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ Deterministic (data indexed by step and rank, fixed seeds); saves state after ev
 CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-separated list of
 `kind:rank:step:where` fired once in generation `gen` (kind kill|raise|park - park: write OUT_DIR/park.<rank>
 with the pid and sleep until killed, so that a test can end the process its own way; where: top|allreduce|prestep|poststep, poststep: after the optimizer step, before the
-save). OUT_DIR/restores.rank<r> says per generation how the rank got its state (CheckpointManager.restored_from).
+save). OUT_DIR/restores.rank<r> says per generation how the rank got its state (CheckpointManager.restored_from),
+OUT_DIR/via.rank<r> how a replica peer sent it (restored_via: live, slot or None). REUSE_LIVE=0: reuse_live=False.
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt.
 """
 import datetime
@@ -31,7 +32,8 @@ cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        fallback_dir=os.environ.get("FALLBACK_DIR") or None,
                        shm_dir=os.environ.get("CKPT_SHM_DIR") or None,   # a place the agent does not know
                        replica_groups=[[int(r) for r in g.split(",")] for g in REPLICAS.split("/")]
-                       if REPLICAS else None)
+                       if REPLICAS else None,
+                       reuse_live=os.environ.get("REUSE_LIVE", "1") != "0")
 
 
 def maybe_pause(step, rank, generation):
@@ -172,6 +174,8 @@ def main(caller=None):
         fh.write(f"{caller.iteration} {start} {os.getpid()}@{started}\n")
     with open(os.path.join(OUT_DIR, f"restores.rank{rank}"), "a") as fh:   # how this rank got its state
         fh.write(f"{caller.iteration} {start} {cm.restored_from}\n")
+    with open(os.path.join(OUT_DIR, f"via.rank{rank}"), "a") as fh:   # how a replica peer sent it (restored_via)
+        fh.write(f"{caller.iteration} {cm.restored_via}\n")
     for step in range(start, STEPS):
         current["step"], current["gen"] = step, caller.iteration
         caller.progress(step)
