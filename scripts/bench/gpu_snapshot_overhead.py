@@ -1,7 +1,7 @@
 """Steady-state cost of CheckpointManager snapshots on a GPU, every configuration in one process and one run.
 
     python3 scripts/bench/gpu_snapshot_overhead.py --out DIR [--dim 8192 --layers 16 --batch 8192]
-        [--every 1,2,4,8] [--rounds 2] [--steps 16]
+        [--every 1,2,4,8] [--rounds 2] [--steps 16] [--configs NAME,...]
 
 One process, one GPU, the recovery benchmark's model (LAYERS x DIM² bf16 MLP, Adam, batches made on the
 device). Configurations: no snapshot (the baseline), then a snapshot every k steps for each k with
@@ -9,10 +9,13 @@ device). Configurations: no snapshot (the baseline), then a snapshot every k ste
 the same with `stage_on_device=True` (the optimizer step waits only for a device-to-device copy). They run
 in rounds, one block of --steps measured steps each (after two warm-up steps that map and pin the slots),
 so drift of the machine hits every configuration alike. Overhead = a configuration's mean step time over
-the baseline's, in the same round; the medians over rounds are reported.
+the baseline's, in the same round; the medians over rounds are reported. --configs names them instead:
+`none`, `every<k>-offload`, `every<k>-staged`, with `-t<n>` to cap the checksum threads at n
+(slot_checksum.MAX_THREADS). Each block also records every step's time and each save() call's time.
 
-Correctness is checked on the way: after each snapshot block the newest slot is read back, its checksum
-verified, and every tensor compared bitwise with the live state at that step.
+Correctness is checked on the way (first round only with --check-first): after a snapshot block the
+newest slot is read back, its checksum verified, and every tensor compared bitwise with the live state at
+that step.
 
 Writes DIR/snapshot-overhead.json and .md.
 """
@@ -32,7 +35,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from hyperpodrun import CheckpointManager  # noqa: E402
-from hyperpodrun.runtime import snapshot_io  # noqa: E402
+from hyperpodrun.runtime import slot_checksum, snapshot_io  # noqa: E402
 from hyperpodrun.runtime.state_dicts import state_dict_of, tensors_in  # noqa: E402
 
 DEVICE = "cuda"
@@ -65,14 +68,25 @@ def check_slot(cm: CheckpointManager, step: int, state: dict) -> None:
                 raise AssertionError(f"slot of step {step}: {name} differs from the live state")
 
 
+def parse(name: str) -> dict:
+    if name == "none":
+        return {"name": name, "every": 0, "staged": False, "threads": None}
+    parts = name.split("-")
+    threads = int(parts[2][1:]) if len(parts) > 2 else None
+    return {"name": name, "every": int(parts[0].removeprefix("every")), "staged": parts[1] == "staged",
+            "threads": threads}
+
+
 def block(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, start: int, steps: int, args: argparse.Namespace,
-          base: str) -> dict:
+          base: str, check: bool) -> dict:
     every = cfg["every"]
     cm = None
+    slot_checksum.MAX_THREADS = cfg["threads"] or 16
     if every:
-        shm = os.path.join(base, cfg["name"])
+        shm = os.path.join(base, "slots")     # one place for every configuration: the slot files are reused
         os.makedirs(shm, mode=0o700, exist_ok=True)
         cm = CheckpointManager(enable_offload=True, stage_on_device=cfg["staged"], shm_dir=shm)
+    saves = []
     state = {"model": model, "opt": opt}
     times = []
     step = start
@@ -88,20 +102,23 @@ def block(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, start: int, s
         loss.item()
         step += 1
         if cm is not None and step % every == 0:
+            s0 = time.perf_counter()
             cm.save(step, state)
+            if i >= warm:
+                saves.append(time.perf_counter() - s0)
         if i >= warm:
             times.append(time.perf_counter() - t0)
     out = {"name": cfg["name"], "mean_step_s": statistics.fmean(times), "median_step_s": statistics.median(times),
-           "steps": len(times)}
+           "steps": len(times), "step_s": times, "save_call_s": saves}
     if cm is not None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         last = step - step % every
-        if last == step:                   # ends on a saved step: the slot must equal the live state
+        if last == step and check:         # ends on a saved step: the slot must equal the live state
             check_slot(cm, step, state)
             out["slot_checked"] = True
         out["staging_bytes"] = cm._staging.nbytes if cm._staging is not None else 0
-        cm.close(success=True)
+        cm.close(success=False)            # the slot files stay for the next configuration
     return out
 
 
@@ -114,6 +131,8 @@ def main() -> None:
     ap.add_argument("--every", default="1,2,4,8")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--configs", default="", help="comma-separated configuration names (see the module doc)")
+    ap.add_argument("--check-first", action="store_true", help="check the slots in the first round only")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script itself (no staging there)")
     args = ap.parse_args()
     global DEVICE
@@ -124,10 +143,11 @@ def main() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     model, opt = build(args.dim, args.layers)
     state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3   # params + Adam's two
-    configs = [{"name": "none", "every": 0, "staged": False}]
-    for k in [int(x) for x in args.every.split(",")]:
-        configs += [{"name": f"every{k}-offload", "every": k, "staged": False},
-                    {"name": f"every{k}-staged", "every": k, "staged": True}]
+    names = args.configs.split(",") if args.configs else ["none"] + [
+        f"every{k}-{how}" for k in args.every.split(",") for how in ("offload", "staged")]
+    configs = [parse(n) for n in names]
+    if "none" not in names:
+        configs.insert(0, parse("none"))
     base = f"/dev/shm/hpr-overhead-{os.getpid()}"
     os.makedirs(base, mode=0o700)
     rounds: list[dict[str, dict]] = []
@@ -136,7 +156,7 @@ def main() -> None:
         for r in range(args.rounds):
             results: dict[str, dict] = {}
             for cfg in configs:
-                res = block(model, opt, cfg, step, args.steps, args, base)
+                res = block(model, opt, cfg, step, args.steps, args, base, r == 0 or not args.check_first)
                 step += args.steps + 2 * max(cfg["every"], 1)
                 results[cfg["name"]] = res
                 print(json.dumps({"round": r, **res}), flush=True)
@@ -150,7 +170,7 @@ def main() -> None:
         over = [rd[name]["mean_step_s"] / rd["none"]["mean_step_s"] - 1 for rd in rounds]
         summary.append({"name": name, "every": cfg["every"], "staged": cfg["staged"],
                         "mean_step_s_median": statistics.median(means), "overhead_median": statistics.median(over),
-                        "overheads": over, "slot_checked": all(rd[name].get("slot_checked", False) for rd in rounds),
+                        "overheads": over, "slot_checked": any(rd[name].get("slot_checked", False) for rd in rounds), "threads": cfg["threads"],
                         "staging_bytes": rounds[-1][name].get("staging_bytes", 0)})
     doc = {"dim": args.dim, "layers": args.layers, "batch": args.batch, "state_bytes": state_bytes,
            "steps_per_block": args.steps, "rounds": rounds, "summary": summary,
