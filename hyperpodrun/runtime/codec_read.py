@@ -34,6 +34,15 @@ class _Decoder:
             ord("n"): self.namedtuple, ord("e"): lambda _d: self.enum_(),
         }
 
+    def release(self) -> None:
+        """Break the decoder's reference cycle (its dispatch table's lambdas hold it) and drop `on_ref`, which
+        may hold a view of a mapped slot: without this the mapping lives until a full garbage collection -
+        which, after HPWrapper's gc.freeze, may be never on the restart path (a leaked descriptor and mapping
+        per restore)."""
+        self.table = {}
+        self.on_ref = None
+        self.buf = b""
+
     # ---------------------------------------------------------------- primitives
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > self.end:
@@ -179,3 +188,5 @@ def loads(data: Any, on_ref: Optional[Callable[[F.TensorRef], Any]] = None) -> A
     except (struct.error, TypeError, ValueError, UnicodeDecodeError, OverflowError, RecursionError,
             KeyError, IndexError, RuntimeError) as exc:
         raise CodecError(f"malformed metadata: {type(exc).__name__}: {exc}") from exc
+    finally:
+        dec.release()
