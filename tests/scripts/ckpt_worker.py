@@ -64,15 +64,16 @@ def maybe_fault(where, step, rank, generation):
                     time.sleep(0.002)
             if kind == "wipe-kill":   # the rank's snapshots are lost with it (as when its node is lost)
                 # every rank with a wipe-kill at this step and place goes at the same moment (a node lost whole):
-                # each waits until all of them got here, so none is interrupted before its own fault
+                # each wipes its snapshots first, then says so and waits until all of them have, so that no
+                # rank dies - and no restart interrupts a slower one - before every one's snapshots are gone
+                import shutil
+                shutil.rmtree(cm.slot_dir(), ignore_errors=True)
                 open(os.path.join(OUT_DIR, f"wipe.{rank}.{step}.{where}"), "w").close()
                 peers = [int(r) for k, r, s, w, *_ in FAULTS if k == "wipe-kill" and int(s) == step and w == where]
                 end = time.monotonic() + 60
                 while time.monotonic() < end and not all(
                         os.path.exists(os.path.join(OUT_DIR, f"wipe.{r}.{step}.{where}")) for r in peers):
                     time.sleep(0.01)
-                import shutil
-                shutil.rmtree(cm.slot_dir(), ignore_errors=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
