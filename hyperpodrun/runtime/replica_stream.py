@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from hyperpodrun.errors import CodecError, SnapshotCorrupt, UnsupportedStateError
 from hyperpodrun.runtime import safe_codec
 from hyperpodrun.runtime.safe_codec import TensorRef
+from hyperpodrun.runtime.snapshot_io import ref_dtype
 from hyperpodrun.runtime.state_dicts import device_of
 
 log = logging.getLogger("hyperpodrun.runtime")
@@ -115,14 +116,7 @@ def decode(meta: bytes, devices: Mapping[str, Any]) -> tuple[dict, list[Any]]:
     refs: list[TensorRef] = []
 
     def on_ref(ref: TensorRef) -> _Pending:
-        dtype = getattr(torch, ref.dtype, None) if ref.dtype.isidentifier() else None
-        if not isinstance(dtype, torch.dtype):
-            raise CodecError(f"unknown dtype {ref.dtype!r}")
-        numel = 1
-        for d in ref.shape:
-            numel *= d
-        if numel * torch.empty((), dtype=dtype).element_size() != ref.nbytes:
-            raise CodecError(f"a tensor of {ref.shape} {ref.dtype} does not fit {ref.nbytes} bytes")
+        ref_dtype(ref)          # raises CodecError for an unknown dtype or a size that does not fit
         refs.append(ref)
         return _Pending(ref)
     try:

@@ -353,6 +353,21 @@ def decode(data: Any, what: str, verify: bool = True, copy: bool = True) -> tupl
     return _decode(data, what, verify, copy)
 
 
+def ref_dtype(ref: TensorRef) -> Any:
+    """The torch dtype of a tensor reference read back from metadata, checked against its byte count;
+    CodecError for an unknown dtype or a size that does not match the shape."""
+    import torch
+    dtype = getattr(torch, ref.dtype, None) if ref.dtype.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise CodecError(f"unknown dtype {ref.dtype!r}")
+    numel = 1
+    for d in ref.shape:
+        numel *= d
+    if numel * torch.empty((), dtype=dtype).element_size() != ref.nbytes:
+        raise CodecError(f"a tensor of {ref.shape} {ref.dtype} does not fit its {ref.nbytes} bytes")
+    return dtype
+
+
 def _decode(data: Any, what: str, verify: bool, copy: Optional[bool]) -> tuple[int, Any]:
     """decode; with copy=None every tensor reference is checked but no tensor is built (None in its place)."""
     import torch
@@ -363,13 +378,11 @@ def _decode(data: Any, what: str, verify: bool, copy: Optional[bool]) -> tuple[i
     base = HEADER_LEN + _aligned(meta_len)
 
     def load(ref: TensorRef) -> Any:
-        dtype = getattr(torch, ref.dtype, None) if ref.dtype.isidentifier() else None
-        if not isinstance(dtype, torch.dtype):
-            raise SnapshotCorrupt(f"{what}: unknown dtype {ref.dtype!r}")
-        numel = 1
-        for d in ref.shape:
-            numel *= d
-        if numel * torch.empty((), dtype=dtype).element_size() != ref.nbytes or ref.offset + ref.nbytes > data_len:
+        try:
+            dtype = ref_dtype(ref)
+        except CodecError as exc:
+            raise SnapshotCorrupt(f"{what}: {exc}") from None
+        if ref.offset + ref.nbytes > data_len:
             raise SnapshotCorrupt(f"{what}: a tensor of {ref.shape} {ref.dtype} does not fit its bytes")
         if copy is None:
             return None
