@@ -76,9 +76,11 @@ class CheckpointManager:
     stage_on_device: with enable_offload, copy the deferred GPU tensors first into buffers on their own
         GPU (device-to-device, a few ms per GB) and from there to the host slot: the next optimizer step
         then waits only for that first copy, not for the device->host copy (PCIe, ~55 GB/s on an H200
-        host), which may run over several steps. Costs GPU memory equal to the parameters and optimizer
-        state (the buffers are kept between saves). For a state whose device->host copy is longer than a
-        step's forward and backward; with snapshots every k steps where it is longer than a whole step.
+        host), which runs behind the training one piece at a time so that the training's own
+        device->host copies (`loss.item()`) do not queue behind it. Costs GPU memory equal to the
+        parameters and optimizer state (the buffers are kept between saves). For a state whose
+        device->host copy is longer than a step's forward and backward; with snapshots every k steps where
+        it is longer than a whole step (measured on an H200: +1.8 % every 8 steps of 0.09 s, 6.4 GB).
     fallback_dir / fallback_every: also write every N-th snapshot to disk, asynchronously and atomically,
         for the case where shared memory is lost too.
     replica_groups / num_distributed_optimizer_instances: ranks that hold identical state (a rank that

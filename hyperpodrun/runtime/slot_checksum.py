@@ -10,10 +10,14 @@ fields, the metadata and the chunks' CRC32s (snapshot_io.checksum).
 """
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import threading
 import zlib
-from typing import Optional
+from typing import Callable, Optional
+
+log = logging.getLogger("hyperpodrun.runtime")
 
 CHUNK = 16 << 20
 #: most threads one rank uses for its checksum (measured: 26 GiB/s with 16 threads on a 16-core host)
@@ -33,10 +37,65 @@ def crc_threads() -> int:
     return max(1, min(MAX_THREADS, cpus // local))
 
 
+class _Helpers:
+    """Daemon threads kept for the checksum work of every snapshot in this process.
+
+    Why: a snapshot used to start its own 15 threads, and each `Thread.start()` waits until the new thread
+    runs - milliseconds of the training thread's time per save, while the GPU idles. The threads are daemons
+    (an abandoned job never keeps the process alive) and are made again in a forked child, which has none."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._jobs: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._idle = 0
+        self._count = 0
+
+    def run(self, job: Callable[[], None], copies: int) -> None:
+        """Have `copies` idle helpers run `job` (more threads are started when too few are idle)."""
+        with self._lock:
+            if self._pid != os.getpid():                # a new process: the parent's threads are not here
+                self._pid, self._jobs, self._idle, self._count = os.getpid(), queue.SimpleQueue(), 0, 0
+            jobs = self._jobs
+            for _ in range(max(0, copies - self._idle)):
+                t = threading.Thread(target=self._loop, args=(jobs,), name="hyperpodrun-crc", daemon=True)
+                self._idle += 1
+                self._count += 1
+                t.start()        # waits until the thread runs: once per helper, not per snapshot
+            self._idle -= copies
+        for _ in range(copies):
+            jobs.put(job)
+
+    def _loop(self, jobs: "queue.SimpleQueue[Callable[[], None]]") -> None:
+        while True:
+            job = jobs.get()
+            try:
+                job()
+            except BaseException:      # a job reports its own errors; the helper stays for the next one
+                log.exception("checksum helper")
+            with self._lock:
+                if jobs is self._jobs:
+                    self._idle += 1
+
+    @property
+    def threads(self) -> int:
+        return self._count if self._pid == os.getpid() else 0
+
+
+    def forked(self) -> None:
+        """In a forked child: none of the parent's helpers, and a lock that no thread holds."""
+        self._lock = threading.Lock()
+        self._pid, self._jobs, self._idle, self._count = os.getpid(), queue.SimpleQueue(), 0, 0
+
+
+_HELPERS = _Helpers()
+os.register_at_fork(after_in_child=_HELPERS.forked)
+
+
 class ChunkSums:
-    """CRC32s of the `chunk`-byte pieces of view[start:start+length], summed by worker threads as the
+    """CRC32s of the `chunk`-byte pieces of view[start:start+length], summed by helper threads as the
     region fills: `advance(end)` says bytes [0, end) of the region are final, `result()` waits for (and
-    helps with) the rest, `cancel()` stops the workers (the slot is abandoned)."""
+    helps with) the rest, `cancel()` stops the helpers (the slot is abandoned)."""
 
     def __init__(self, view: memoryview, start: int, length: int, chunk: int = CHUNK,
                  threads: Optional[int] = None) -> None:
@@ -45,19 +104,20 @@ class ChunkSums:
         self.crcs = [0] * self.n
         self._filled = 0
         self._next = 0
+        self._summed = 0
+        self._inside = 0           # helpers working for this region right now
         self._cancelled = False
         self._cv = threading.Condition()
         self._helpers = max(0, min((threads or crc_threads()) - 1, self.n - 1))   # result()'s caller helps too
-        self._threads: list[threading.Thread] = []
+        self._started = False
 
     def start(self) -> "ChunkSums":
-        """Start the worker threads now, to sum behind a copy that leaves the CPUs free (GPU DMA). A copy
+        """Put the helpers to work now, to sum behind a copy that leaves the CPUs free (GPU DMA). A copy
         by the CPU (torch's own threads) is better not competed with: then they start in result()."""
-        if not self._threads and self._helpers:
-            self._threads = [threading.Thread(target=self._work, name="hyperpodrun-crc", daemon=True)
-                             for _ in range(self._helpers)]
-            for t in self._threads:
-                t.start()
+        if not self._started:
+            self._started = True
+            if self._helpers:
+                _HELPERS.run(self._work, self._helpers)
         return self
 
     def advance(self, end: int) -> None:
@@ -67,30 +127,47 @@ class ChunkSums:
                 self._cv.notify_all()
 
     def _work(self) -> None:
-        while True:
+        with self._cv:
+            self._inside += 1
+        try:
+            while True:
+                with self._cv:
+                    while not self._cancelled and self._next < self.n and \
+                            min((self._next + 1) * self.chunk, self.length) > self._filled:
+                        self._cv.wait()
+                    if self._cancelled or self._next >= self.n:
+                        return
+                    i = self._next
+                    self._next += 1
+                a = self.base + i * self.chunk
+                self.crcs[i] = zlib.crc32(self.view[a:a + min(self.chunk, self.length - i * self.chunk)])
+                with self._cv:
+                    self._summed += 1
+                    if self._summed == self.n:
+                        self._cv.notify_all()
+        finally:
             with self._cv:
-                while not self._cancelled and self._next < self.n and \
-                        min((self._next + 1) * self.chunk, self.length) > self._filled:
-                    self._cv.wait()
-                if self._cancelled or self._next >= self.n:
-                    return
-                i = self._next
-                self._next += 1
-            a = self.base + i * self.chunk
-            self.crcs[i] = zlib.crc32(self.view[a:a + min(self.chunk, self.length - i * self.chunk)])
+                self._inside -= 1
+                self._cv.notify_all()
 
     def result(self) -> list[int]:
         self.advance(self.length)
         self.start()
         self._work()
-        for t in self._threads:
-            t.join()
+        with self._cv:
+            while self._summed < self.n and not self._cancelled:
+                self._cv.wait()
         return self.crcs
 
     def cancel(self) -> None:
         with self._cv:
             self._cancelled = True
             self._cv.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once no helper is working for this region (within `timeout` seconds)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._inside == 0, timeout)
 
 
 def chunk_crcs(view: memoryview, start: int, length: int, chunk: int = CHUNK) -> list[int]:

@@ -113,8 +113,9 @@ def block(model: nn.Module, opt: torch.optim.Optimizer, cfg: dict, start: int, s
     if cm is not None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        last = step - step % every
-        if last == step and check:         # ends on a saved step: the slot must equal the live state
+        if check:                          # the slot of the last step must equal the live state
+            if step % every:
+                cm.save(step, state)       # not timed: the block ended between two saves
             check_slot(cm, step, state)
             out["slot_checked"] = True
         out["staging_bytes"] = cm._staging.nbytes if cm._staging is not None else 0
