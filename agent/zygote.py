@@ -19,7 +19,6 @@ import importlib
 import json
 import os
 import runpy
-import select
 import socket
 import sys
 import time
@@ -136,15 +135,18 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
             slot_dir = req.get("slot_dir")
     except Exception as exc:   # no usable GPU here: a standby still saves the fork and the imports
         info["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    prepinner = None
     try:
         chan.send(json.dumps(info).encode())
-        if slot_dir is not None:
+        if slot_dir is not None:        # the slots it would restore from, mapped and pinned meanwhile
             from hyperpodrun.runtime import pinned_read
-        while slot_dir is not None and not select.select([chan], [], [], PREPIN_EVERY_S)[0]:
-            pinned_read.prepin_dir(slot_dir)   # the slots it would restore from, mapped and pinned meanwhile
+            prepinner = pinned_read.Prepinner(slot_dir, PREPIN_EVERY_S).start()
         msg, fds, _, _ = socket.recv_fds(chan, 1 << 20, 2)
     except OSError:
         return None
+    finally:
+        if prepinner is not None:
+            prepinner.stop()            # the takeover goes on; a registration in progress ends by itself
     if not msg:
         return None
     task = json.loads(msg)

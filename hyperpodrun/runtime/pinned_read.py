@@ -25,9 +25,10 @@ import logging
 import mmap
 import os
 import stat
+import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -83,6 +84,9 @@ class Pinned:
 
 
 _PREPINNED: dict[str, Pinned] = {}
+#: held while a file is being prepinned: a standby prepins in a thread of its own (Prepinner), and the rank it
+#: has become asks for a prepinned mapping (`prepinned`, `take`) only once that file's registration is done
+_LOCK = threading.RLock()
 
 
 def release(m: mmap.mmap, ptr: Optional[int]) -> None:
@@ -116,6 +120,11 @@ def _current(path: str) -> Optional[os.stat_result]:
 def prepin(path: str) -> bool:
     """Map and register `path` now for a restore or save later in this process; True when it is (again)
     prepinned. A file gone or changed since its last prepin is dropped or mapped anew."""
+    with _LOCK:
+        return _prepin(path)
+
+
+def _prepin(path: str) -> bool:
     st = _current(path)
     old = _PREPINNED.get(path)
     if old is not None and st is not None and (old.ino, old.size) == (st.st_ino, st.st_size):
@@ -142,23 +151,59 @@ def prepin(path: str) -> bool:
     return True
 
 
-def prepin_dir(directory: str) -> None:
+def prepin_dir(directory: str, stop: Callable[[], bool] = lambda: False) -> None:
     """Prepin every slot file in `directory` (a standby's rank's slots, re-checked while it waits); the ones
-    that are gone are let go (their pages are freed only when nobody maps them)."""
+    that are gone are let go (their pages are freed only when nobody maps them). `stop()` is asked before
+    each file: True ends the pass."""
     try:
         names = [n for n in os.listdir(directory) if not n.endswith(".tmp")]
     except OSError:
         names = []
     paths = {os.path.join(directory, n) for n in names}
-    for path in [p for p in _PREPINNED if os.path.dirname(p) == directory and p not in paths]:
-        unpin(_PREPINNED.pop(path))
+    with _LOCK:
+        for path in [p for p in _PREPINNED if os.path.dirname(p) == directory and p not in paths]:
+            unpin(_PREPINNED.pop(path))
     for path in sorted(paths):
+        if stop():
+            return
         prepin(path)
 
 
+class Prepinner:
+    """Keeps a directory's slot files prepinned from a thread of its own, re-checked every `every` seconds.
+
+    Why a thread: registering a 6.4 GB slot is one blocking call of ~0.3 s (and its populate as much). A
+    standby that did it in its own loop made a rank that died meanwhile wait for the call to end before it
+    could take over. Now the takeover goes on at once (`stop()` ends the passes; the file being registered
+    is finished), and the rank's restore waits only if it needs that very file (`prepinned` takes the lock)."""
+
+    def __init__(self, directory: str, every: float) -> None:
+        self._directory, self._every = directory, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hyperpodrun-prepin", daemon=True)
+
+    def start(self) -> "Prepinner":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                prepin_dir(self._directory, self._stop.is_set)
+            except Exception as exc:     # a standby without its prepins still takes over (mapping then)
+                log.info("prepinning %s: %s", self._directory, exc)
+            self._stop.wait(self._every)
+
+    def stop(self) -> None:
+        """No new pass and no new file from now on (returns at once)."""
+        self._stop.set()
+
+
 def prepinned(path: str) -> Optional[Pinned]:
-    """The prepinned mapping of `path` if the file is still the one mapped (same inode and size)."""
-    p = _PREPINNED.get(path)
+    """The prepinned mapping of `path` if the file is still the one mapped (same inode and size); waits
+    while a file is being prepinned."""
+    with _LOCK:
+        p = _PREPINNED.get(path)
     st = _current(path)
     if p is None or st is None or (p.ino, p.size) != (st.st_ino, st.st_size):
         return None
@@ -167,15 +212,17 @@ def prepinned(path: str) -> Optional[Pinned]:
 
 def take(path: str) -> Optional[Pinned]:
     """Hand a valid prepinned mapping of `path` over to its new owner (who unregisters and closes it)."""
-    p = prepinned(path)
-    if p is not None:
-        del _PREPINNED[path]
-    return p
+    with _LOCK:
+        p = prepinned(path)
+        if p is not None:
+            del _PREPINNED[path]
+        return p
 
 
 def unpin_all() -> None:
-    for path in list(_PREPINNED):
-        unpin(_PREPINNED.pop(path))
+    with _LOCK:
+        for path in list(_PREPINNED):
+            unpin(_PREPINNED.pop(path))
 
 
 class DeviceReadable:
@@ -208,5 +255,5 @@ class DeviceReadable:
 
 
 __all__ = ["DeviceReadable", "map_readonly", "buffer_address", "prepin", "prepinned", "take", "unpin", "unpin_all", "release", "register",
-           "prepin_dir",
+           "prepin_dir", "Prepinner",
            "Pinned"]

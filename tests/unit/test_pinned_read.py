@@ -106,3 +106,42 @@ def test_a_standby_lets_go_of_a_slot_that_is_gone(tmp_path):
         assert str(tmp_path / "slot1") not in pinned_read._PREPINNED
     finally:
         pinned_read.unpin_all()
+
+
+def test_a_takeover_does_not_wait_for_a_registration_in_progress(tmp_path, monkeypatch):
+    """A standby prepins in its own thread (Prepinner): stop() - the rank died, the standby takes over - returns
+    while a registration is still under way, no file is started after it, and a restore that asks for the file
+    being registered gets its mapping once the registration is done (never a half-registered one)."""
+    import threading
+    from hyperpodrun.runtime import pinned_read
+    for name in ("slot0", "slot1"):
+        (tmp_path / name).write_bytes(b"\0" * 8192)
+    entered, gate, calls = threading.Event(), threading.Event(), []
+
+    def slow_register(m, read_only, what):          # cudaHostRegister of a large slot: one long blocking call
+        calls.append(what)
+        entered.set()
+        assert gate.wait(30)
+        return 1
+    monkeypatch.setattr(pinned_read, "register", slow_register)
+    monkeypatch.setattr(pinned_read, "release", lambda m, ptr: m.close())
+    prepinner = pinned_read.Prepinner(str(tmp_path), every=0.01).start()
+    try:
+        assert entered.wait(30)
+        prepinner.stop()
+        assert prepinner._thread.is_alive()        # stop() did not wait for the registration
+        got: list = []
+        asker = threading.Thread(target=lambda: got.append(pinned_read.prepinned(str(tmp_path / "slot0"))))
+        asker.start()
+        asker.join(0.2)
+        assert asker.is_alive() and not got        # waits for the file being registered
+        gate.set()
+        asker.join(30)
+        prepinner._thread.join(30)
+        assert not prepinner._thread.is_alive()
+        assert got and got[0] is not None and got[0].ptr == 1
+        assert calls == [str(tmp_path / "slot0")]  # slot1 was never started after stop()
+        assert str(tmp_path / "slot1") not in pinned_read._PREPINNED
+    finally:
+        gate.set()
+        pinned_read.unpin_all()
