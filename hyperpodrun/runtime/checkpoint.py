@@ -45,6 +45,7 @@ from hyperpodrun.errors import (ApiTypeError, ApiValueError, SnapshotCorrupt, St
                                 UnsupportedStateError)
 from hyperpodrun.runtime import replicas, shm_runs
 from hyperpodrun.runtime import snapshot_io as io
+from hyperpodrun.runtime import snapshot_copy as copying
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
 from hyperpodrun.runtime.pinned_read import DeviceReadable
@@ -123,9 +124,9 @@ class CheckpointManager:
         self._fallback: Optional[threading.Thread] = None
         self._writer = io.SlotWriter()
         self._files: dict[str, io.SlotFile] = {}
-        self._streams = io.SideStream()
+        self._streams = copying.SideStream()
         self.stage_on_device = stage_on_device
-        self._staging: Optional[io.DeviceStaging] = io.DeviceStaging() if stage_on_device else None
+        self._staging: Optional[copying.DeviceStaging] = copying.DeviceStaging() if stage_on_device else None
         self._hook: Any = None
         self._layouts = LayoutKeeper()
         self.last_saved: Optional[int] = None
@@ -262,7 +263,7 @@ class CheckpointManager:
         path = os.path.join(d, f"slot{step % 2}")
         slot = self._files.setdefault(path, io.SlotFile(path))
         view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
-        io.copy_now(view, staged, self._streams, self._staging)
+        copying.copy_now(view, staged, self._streams, self._staging)
 
         session = self._session
         generation = getattr(self._caller, "iteration", 0)
@@ -280,7 +281,7 @@ class CheckpointManager:
             return getattr(session, "restart_seen", -1) <= generation or verdict.get("final", False)
 
         def copied() -> bool:
-            if io.finish_copies(view, staged, no_restart_since):
+            if copying.finish_copies(view, staged, no_restart_since):
                 return True
             log.info("snapshot of step %d dropped: a restart was requested before it was complete", step)
             self._inflight = None
@@ -306,7 +307,7 @@ class CheckpointManager:
         copied read finished data. Judged once per snapshot: the first abort decides."""
         inflight = self._inflight
         if inflight is not None and "final" not in inflight[1]:
-            inflight[1]["final"] = io.data_final(inflight[0])
+            inflight[1]["final"] = copying.data_final(inflight[0])
 
     def _install_step_barrier(self) -> None:
         """The optimizer step changes what an offloaded snapshot copies: it waits for the copy first (not for

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from hyperpodrun import CheckpointManager
-from hyperpodrun.runtime import snapshot_io
+from hyperpodrun.runtime import snapshot_copy, snapshot_io
 
 
 class FakeSession:
@@ -55,12 +55,12 @@ def manager(tmp_path, monkeypatch):
 def gate_copies(monkeypatch) -> threading.Event:
     """Hold the background copy of the next snapshot until the returned event is set."""
     release = threading.Event()
-    real = snapshot_io.finish_copies
+    real = snapshot_copy.finish_copies
 
     def held(*args: Any, **kwargs: Any) -> bool:
         assert release.wait(30), "the test never released the copy"
         return real(*args, **kwargs)
-    monkeypatch.setattr(snapshot_io, "finish_copies", held)
+    monkeypatch.setattr(snapshot_copy, "finish_copies", held)
     return release
 
 
@@ -90,7 +90,7 @@ def test_a_restart_seen_before_the_data_was_judged_drops_the_snapshot(manager, m
 
 def test_a_snapshot_whose_device_work_was_pending_is_dropped(manager, monkeypatch):
     cm, session, state = manager
-    monkeypatch.setattr(snapshot_io, "data_final", lambda staged: False)   # a GPU still computing its inputs
+    monkeypatch.setattr(snapshot_copy, "data_final", lambda staged: False)   # a GPU still computing its inputs
     restart_while_copying(cm, session, state, monkeypatch, aborting=True)
     assert cm.last_saved == 4
 
@@ -113,7 +113,7 @@ class Event:
 ], ids=["host", "devices-done", "one-pending", "broken-context"])
 def test_data_final(events, final):
     staged = snapshot_io.Staged(step=1, source_events=events)
-    assert snapshot_io.data_final(staged) is final
+    assert snapshot_copy.data_final(staged) is final
 
 
 def test_a_save_of_host_tensors_made_after_the_restart_was_requested_is_kept(manager, monkeypatch):

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from hyperpodrun.runtime import snapshot_copy
 from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.pinned_read import DeviceReadable, buffer_address, map_readonly
 from hyperpodrun.runtime.state_dicts import like
@@ -16,7 +17,7 @@ def write_slot(path: str, step: int, payload: dict) -> None:
     staged = io.plan(step, payload, set(), defer=False)
     slot = io.SlotFile(path)
     view = slot.prepare(staged, pin=False)
-    io.copy_now(view, staged, io.SideStream())
+    snapshot_copy.copy_now(view, staged, snapshot_copy.SideStream())
     io.seal(view, staged)
     del view
     slot.close()
