@@ -47,12 +47,13 @@ class _Helpers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = -1
-        self._jobs: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]" = queue.SimpleQueue()
         self._idle = 0
         self._count = 0
 
-    def run(self, job: Callable[[], None], copies: int) -> None:
-        """Have `copies` idle helpers run `job` (more threads are started when too few are idle)."""
+    def run(self, job: Callable[[], None], copies: int, done: Callable[[], None]) -> None:
+        """Have `copies` idle helpers run `job` (more threads are started when too few are idle); each calls
+        `done()` after it is idle again, so a caller that waits for every `done` leaves the pool as it was."""
         with self._lock:
             if self._pid != os.getpid():                # a new process: the parent's threads are not here
                 self._pid, self._jobs, self._idle, self._count = os.getpid(), queue.SimpleQueue(), 0, 0
@@ -64,11 +65,11 @@ class _Helpers:
                 t.start()        # waits until the thread runs: once per helper, not per snapshot
             self._idle -= copies
         for _ in range(copies):
-            jobs.put(job)
+            jobs.put((job, done))
 
-    def _loop(self, jobs: "queue.SimpleQueue[Callable[[], None]]") -> None:
+    def _loop(self, jobs: "queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]") -> None:
         while True:
-            job = jobs.get()
+            job, done = jobs.get()
             try:
                 job()
             except BaseException:      # a job reports its own errors; the helper stays for the next one
@@ -76,6 +77,7 @@ class _Helpers:
             with self._lock:
                 if jobs is self._jobs:
                     self._idle += 1
+            done()
 
     @property
     def threads(self) -> int:
@@ -106,6 +108,7 @@ class ChunkSums:
         self._next = 0
         self._summed = 0
         self._inside = 0           # helpers working for this region right now
+        self._returned = 0         # helpers that are back in the pool
         self._cancelled = False
         self._cv = threading.Condition()
         self._helpers = max(0, min((threads or crc_threads()) - 1, self.n - 1))   # result()'s caller helps too
@@ -117,7 +120,7 @@ class ChunkSums:
         if not self._started:
             self._started = True
             if self._helpers:
-                _HELPERS.run(self._work, self._helpers)
+                _HELPERS.run(self._work, self._helpers, self._helper_done)
         return self
 
     def advance(self, end: int) -> None:
@@ -150,12 +153,18 @@ class ChunkSums:
                 self._inside -= 1
                 self._cv.notify_all()
 
+    def _helper_done(self) -> None:
+        with self._cv:
+            self._returned += 1
+            self._cv.notify_all()
+
     def result(self) -> list[int]:
+        """The chunks' CRC32s, once every chunk is summed and every helper is back in the pool."""
         self.advance(self.length)
         self.start()
         self._work()
         with self._cv:
-            while self._summed < self.n and not self._cancelled:
+            while (self._summed < self.n or self._returned < self._helpers) and not self._cancelled:
                 self._cv.wait()
         return self.crcs
 
