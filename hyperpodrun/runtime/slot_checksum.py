@@ -46,7 +46,6 @@ class _Helpers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pid = -1
         self._jobs: "queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]" = queue.SimpleQueue()
         self._idle = 0
         self._count = 0
@@ -55,8 +54,6 @@ class _Helpers:
         """Have `copies` idle helpers run `job` (more threads are started when too few are idle); each calls
         `done()` after it is idle again, so a caller that waits for every `done` leaves the pool as it was."""
         with self._lock:
-            if self._pid != os.getpid():                # a new process: the parent's threads are not here
-                self._pid, self._jobs, self._idle, self._count = os.getpid(), queue.SimpleQueue(), 0, 0
             jobs = self._jobs
             for _ in range(max(0, copies - self._idle)):
                 t = threading.Thread(target=self._loop, args=(jobs,), name="hyperpodrun-crc", daemon=True)
@@ -81,13 +78,12 @@ class _Helpers:
 
     @property
     def threads(self) -> int:
-        return self._count if self._pid == os.getpid() else 0
-
+        return self._count
 
     def forked(self) -> None:
-        """In a forked child: none of the parent's helpers, and a lock that no thread holds."""
+        """In a forked child (os.register_at_fork): none of the parent's helpers, a lock no thread holds."""
         self._lock = threading.Lock()
-        self._pid, self._jobs, self._idle, self._count = os.getpid(), queue.SimpleQueue(), 0, 0
+        self._jobs, self._idle, self._count = queue.SimpleQueue(), 0, 0
 
 
 _HELPERS = _Helpers()
@@ -107,7 +103,6 @@ class ChunkSums:
         self._filled = 0
         self._next = 0
         self._summed = 0
-        self._inside = 0           # helpers working for this region right now
         self._returned = 0         # helpers that are back in the pool
         self._cancelled = False
         self._cv = threading.Condition()
@@ -130,28 +125,21 @@ class ChunkSums:
                 self._cv.notify_all()
 
     def _work(self) -> None:
-        with self._cv:
-            self._inside += 1
-        try:
-            while True:
-                with self._cv:
-                    while not self._cancelled and self._next < self.n and \
-                            min((self._next + 1) * self.chunk, self.length) > self._filled:
-                        self._cv.wait()
-                    if self._cancelled or self._next >= self.n:
-                        return
-                    i = self._next
-                    self._next += 1
-                a = self.base + i * self.chunk
-                self.crcs[i] = zlib.crc32(self.view[a:a + min(self.chunk, self.length - i * self.chunk)])
-                with self._cv:
-                    self._summed += 1
-                    if self._summed == self.n:
-                        self._cv.notify_all()
-        finally:
+        while True:
             with self._cv:
-                self._inside -= 1
-                self._cv.notify_all()
+                while not self._cancelled and self._next < self.n and \
+                        min((self._next + 1) * self.chunk, self.length) > self._filled:
+                    self._cv.wait()
+                if self._cancelled or self._next >= self.n:
+                    return
+                i = self._next
+                self._next += 1
+            a = self.base + i * self.chunk
+            self.crcs[i] = zlib.crc32(self.view[a:a + min(self.chunk, self.length - i * self.chunk)])
+            with self._cv:
+                self._summed += 1
+                if self._summed == self.n:
+                    self._cv.notify_all()
 
     def _helper_done(self) -> None:
         with self._cv:
@@ -174,9 +162,9 @@ class ChunkSums:
             self._cv.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
-        """True once no helper is working for this region (within `timeout` seconds)."""
+        """True once every helper put to work for this region is back in the pool (within `timeout` s)."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._inside == 0, timeout)
+            return self._cv.wait_for(lambda: self._returned >= (self._helpers if self._started else 0), timeout)
 
 
 def chunk_crcs(view: memoryview, start: int, length: int, chunk: int = CHUNK) -> list[int]:
