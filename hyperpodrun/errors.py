@@ -64,7 +64,8 @@ class WorkerSpawnError(HyperpodrunError):
 
 
 class ProtocolError(HyperpodrunError, ValueError):
-    """A control-plane frame that is not a valid message (hyperpodrun/protocol.py); it is dropped."""
+    """A control-plane frame that is not a valid message (hyperpodrun/protocol.py; it is dropped), or a peer's
+    restore inventory that is not one (runtime/restore_plan.py)."""
 
 
 class AuthError(HyperpodrunError):

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict
 
-from hyperpodrun.errors import SnapshotCorrupt, StateLostError
+from hyperpodrun.errors import ProtocolError, SnapshotCorrupt, StateLostError
 from hyperpodrun.runtime import replicas
 from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.pinned_read import map_readonly, prepinned
@@ -24,7 +24,7 @@ log = logging.getLogger("hyperpodrun.runtime")
 
 
 class Inventory(TypedDict):
-    """What one rank holds (gathered with all_gather_object: plain lists and dicts)."""
+    """What one rank holds (gathered as JSON: plain lists and dicts)."""
 
     shm: list[int]                    # steps in its own shared-memory slots
     disk: list[int]                   # steps in its disk fallback
@@ -138,10 +138,46 @@ def plan_restore(everyone: Sequence[Inventory],
 
 
 def gather(mine: Inventory) -> list[Inventory]:
-    """Every rank's inventory (just `mine` without a process group)."""
+    """Every rank's inventory (just `mine` without a process group), sent as JSON in byte tensors over the
+    job's default group: never pickled (all_gather_object would unpickle what a peer sent), and checked
+    field by field on arrival (`_inventory`)."""
+    import json
+
+    import torch
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return [mine]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    world = dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" \
+        else torch.device("cpu")
+    blob = json.dumps(mine).encode()
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    buf = torch.zeros(max(lengths), dtype=torch.uint8)
+    buf[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    buf = buf.to(dev)
+    received = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(received, buf)
+    return [_inventory(json.loads(bytes(r[:n].cpu().tolist())), rank) for rank, (r, n) in
+            enumerate(zip(received, lengths))]
+
+
+def _inventory(raw: Any, rank: int) -> Inventory:
+    """A peer's inventory as plain typed values; ProtocolError (a ValueError) naming the rank otherwise."""
+    def steps(v: Any) -> list[int]:
+        if not isinstance(v, list) or not all(type(x) is int for x in v):
+            raise ProtocolError(f"rank {rank} sent a restore inventory with a malformed step list: {v!r:.200}")
+        return v
+    if not isinstance(raw, dict) or set(raw) != set(Inventory.__annotations__):
+        raise ProtocolError(f"rank {rank} sent a malformed restore inventory: {raw!r:.200}")
+    latest, never, copies = raw["latest"], raw["never_committed"], raw["copies"]
+    if (latest is not None and type(latest) is not int) or type(never) is not bool or not isinstance(copies, dict):
+        raise ProtocolError(f"rank {rank} sent a malformed restore inventory: {raw!r:.200}")
+    try:
+        held = {int(src): steps(v) for src, v in copies.items()}   # JSON made the rank numbers strings
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"rank {rank} sent a restore inventory with malformed copies: {copies!r:.200}") from exc
+    return {"shm": steps(raw["shm"]), "disk": steps(raw["disk"]), "latest": latest, "copies": held,
+            "never_committed": never}

@@ -68,3 +68,34 @@ def test_a_replaced_rank_without_state_is_still_a_loss() -> None:
     """A new process (not running since the start) with nothing: its state at step 9 is lost (exit 75)."""
     with pytest.raises(StateLostError, match=r"rank\(s\) \[1\] at step 9"):
         plan_restore([inv((9,), latest=9), inv(never_committed=False)], singletons)
+
+
+def test_inventories_travel_as_json_and_come_back_typed():
+    """gather() sends each rank's inventory as JSON bytes over the default group (never pickled): on a real
+    one-rank gloo group it comes back equal, the peer-copy rank numbers ints again."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hyperpodrun.runtime.restore_plan import gather
+    mine = {"shm": [4, 6], "disk": [], "latest": 6, "copies": {2: [6], 11: [4, 6]}, "never_committed": False}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        assert gather(mine) == [mine]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"shm": [1], "disk": [], "latest": None, "copies": {}}, "malformed restore inventory"),
+    ({"shm": ["1"], "disk": [], "latest": None, "copies": {}, "never_committed": False}, "malformed step list"),
+    ({"shm": [], "disk": [], "latest": "7", "copies": {}, "never_committed": False}, "malformed restore inventory"),
+    ({"shm": [], "disk": [], "latest": 1, "copies": {"x": [1]}, "never_committed": False}, "malformed copies"),
+    ([1, 2], "malformed restore inventory"),
+])
+def test_a_malformed_inventory_names_the_rank_that_sent_it(raw, needle):
+    from hyperpodrun.runtime.restore_plan import _inventory
+    with pytest.raises(ValueError, match=needle) as err:
+        _inventory(raw, 3)
+    assert "rank 3" in str(err.value)
