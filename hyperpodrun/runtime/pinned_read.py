@@ -41,10 +41,50 @@ def map_readonly(path: str, populate: bool = False) -> mmap.mmap:
     every page table entry filled now (for a file read whole), not one fault per page as it is read."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
+        if populate and _libc_populate is not None:
+            m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            if populate_without_gil(m, write=False):
+                return m
+            m.close()
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         return mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+
+
+#: madvise(2) advice that fills a mapping's page tables (Linux >= 5.14): the same work as MAP_POPULATE
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
+
+
+def _find_madvise() -> Optional[Callable[..., int]]:
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_libc_populate = _find_madvise()
+
+
+def populate_without_gil(m: mmap.mmap, write: bool) -> bool:
+    """Fill the page tables of mapping `m` (its pages read - or, `write`, made writable - now), in a call
+    that lets other threads run: Python's mmap holds the interpreter lock for a whole MAP_POPULATE (0.3 s
+    for a 6.4 GB slot, 3.5 s for 2 GB of fresh tmpfs pages), which stopped a standby's rank - the script it
+    had just become - while its prepinning thread mapped a slot. A foreign call through ctypes releases
+    the lock. False where the kernel has no MADV_POPULATE_* (before 5.14) or the call fails: the caller
+    maps the way it did before."""
+    if _libc_populate is None or not len(m):
+        return False
+    try:
+        addr = buffer_address(m)
+    except Exception:             # no torch to take the address with: the old way
+        return False
+    return _libc_populate(addr, len(m), _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ) == 0
 
 
 def buffer_address(buf: Any) -> int:
@@ -137,7 +177,10 @@ def _prepin(path: str) -> bool:
     try:
         fd = open_private(path, os.O_RDWR)
         try:
-            m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+            if not populate_without_gil(m, write=True):   # the old way: holding the interpreter lock
+                m.close()
+                m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
     except (OSError, ValueError) as exc:
@@ -254,6 +297,6 @@ class DeviceReadable:
         self._registered = None
 
 
-__all__ = ["DeviceReadable", "map_readonly", "buffer_address", "prepin", "prepinned", "take", "unpin", "unpin_all", "release", "register",
+__all__ = ["DeviceReadable", "map_readonly", "populate_without_gil", "buffer_address", "prepin", "prepinned", "take", "unpin", "unpin_all", "release", "register",
            "prepin_dir", "Prepinner",
            "Pinned"]

@@ -146,3 +146,91 @@ def test_a_takeover_does_not_wait_for_a_registration_in_progress(tmp_path, monke
     finally:
         gate.set()
         pinned_read.unpin_all()
+
+
+def _rss_of_mapping(addr: int) -> int:
+    """kB of the mapping starting at `addr` that are in this process's page tables (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as fh:
+        inside = False
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == addr
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError("mapping not found")
+
+
+@pytest.fixture
+def shm_file():
+    import tempfile
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    path = os.path.join(d, "slot0")
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+    os.rmdir(d)
+
+
+def test_populating_fills_the_page_tables_of_a_mapping(shm_file):
+    """populate_without_gil does what MAP_POPULATE did: every page of the mapping is in the page tables, so a
+    restore's read (or a device copy) takes no fault per page."""
+    import mmap
+    from hyperpodrun.runtime import pinned_read
+    size = 16 << 20
+    with open(shm_file, "wb") as fh:
+        fh.write(b"\1" * size)
+    fd = os.open(shm_file, os.O_RDWR)
+    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    os.close(fd)
+    try:
+        addr = buffer_address(m)
+        assert _rss_of_mapping(addr) < size // 1024 // 2
+        assert pinned_read.populate_without_gil(m, write=True)
+        assert _rss_of_mapping(addr) == size // 1024
+    finally:
+        m.close()
+    ro = map_readonly(shm_file, populate=True)     # the restore's read-only mapping, populated the same way
+    try:
+        assert _rss_of_mapping(buffer_address(ro)) == size // 1024
+        assert ro[:4] == b"\1\1\1\1"
+    finally:
+        ro.close()
+
+
+def test_populating_a_mapping_lets_the_other_threads_run(shm_file):
+    """A standby's prepinning thread populates a slot while the rank it has become runs the script: the call
+    must not hold the interpreter lock (Python's mmap holds it for a whole MAP_POPULATE, which stopped the
+    script for as long). The main thread keeps running while another thread populates 512 MiB of fresh
+    tmpfs pages: its longest pause is well under the call's duration."""
+    import mmap
+    import threading
+    import time
+    from hyperpodrun.runtime import pinned_read
+    size = 512 << 20
+    fd = os.open(shm_file, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    os.close(fd)
+    span: list[float] = []
+    ok: list[bool] = []
+
+    def populate() -> None:
+        t0 = time.monotonic()
+        ok.append(pinned_read.populate_without_gil(m, write=True))
+        span.extend([t0, time.monotonic()])
+    try:
+        worker = threading.Thread(target=populate)
+        ticks = [time.monotonic()]
+        worker.start()
+        while worker.is_alive():
+            ticks.append(time.monotonic())
+        worker.join()
+        assert ok == [True]
+        start, end = span
+        inside = [t for t in ticks if start <= t <= end]
+        gaps = [b - a for a, b in zip([start] + inside, inside + [end])]
+        assert end - start > 0.02, "too quick to tell: the populate did no work"
+        assert max(gaps) < (end - start) / 2, (max(gaps), end - start)
+    finally:
+        m.close()
