@@ -107,10 +107,12 @@ class WarmSpawner:
         be, for the standby to map and pin ahead. Raises WarmSpawnError."""
         if not self.check_ready():
             raise WarmSpawnError("the warm spawner is not ready (still importing, or gone)")
+        from hyperpodrun import settings
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             socket.send_fds(self._sock, [json.dumps({"standby": True, "local_rank": local_rank,
-                                                   "slot_dir": slot_dir}).encode()],
+                                                   "slot_dir": slot_dir,
+                                                   "kernel_warm": settings.current().standby_kernel_warm}).encode()],
                             [theirs.fileno()])
             r, _, _ = select.select([self._sock], [], [], timeout)
             msg = self._sock.recv(1 << 16) if r else b""

@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 #: torch._dynamo too: HPWrapper imports it before the first process group (runtime/torch_state.py), and a
 #: respawned worker would otherwise spend ~1 s (CPU) to 3.4-3.8 s (H200 host) importing it after the fork
-DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._dynamo", "hyperpodrun.runtime.wrapper")
+DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._dynamo", "hyperpodrun.runtime.wrapper",
+                   "hyperpodrun.runtime.checkpoint")
 
 # Packages whose import is known not to start threads or touch the GPU driver: when the script imports them
 # at top level, the zygote imports them too. Anything else only by HYPERPODRUN_WARM_IMPORTS.
@@ -51,6 +52,9 @@ def script_imports(script: str) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.append(node.module)
+            if node.module == "hyperpodrun":     # its public names load their modules lazily: load them here
+                from hyperpodrun import _LAZY
+                names += [_LAZY[a.name] for a in node.names if a.name in _LAZY]
     return [n for n in names if n.split(".")[0] in KNOWN_SAFE]
 
 
@@ -132,6 +136,8 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
             torch.zeros(1, device=f"cuda:{device}")   # the context, made now rather than after the fault
             info.update(cuda=True, device=device)
             info["nccl_warm_s"] = warm_nccl(device)
+            if req.get("kernel_warm", True):
+                info["kernel_warm"] = warm_kernels(device)
             slot_dir = req.get("slot_dir")
     except Exception as exc:   # no usable GPU here: a standby still saves the fork and the imports
         info["cuda_error"] = f"{type(exc).__name__}: {exc}"
@@ -157,6 +163,18 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
 
 #: how often a waiting standby looks at its slot files (new, grown or replaced ones are mapped and pinned again)
 PREPIN_EVERY_S = 0.5
+
+
+def warm_kernels(device: int) -> dict[str, Any]:
+    """agent/kernel_warm.py on this GPU; a failure is reported in the ready message, never fatal (the standby
+    still saves the fork, the imports and the context)."""
+    try:
+        import torch
+
+        from hyperpodrun.agent import kernel_warm
+        return kernel_warm.warm(torch.device("cuda", device))
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def warm_nccl(device: int) -> Optional[float]:

@@ -58,6 +58,9 @@ class Settings(BaseModel):
     #: HYPERPODRUN_NCCL_ABORT_BACKGROUND: a restart's NCCL communicator aborts run in a thread of their own
     #: while the rank goes on to the next generation (runtime/abort.py); 0: in the restarting thread
     nccl_abort_background: bool = True
+    #: HYPERPODRUN_STANDBY_KERNEL_WARM: a standby launches the usual training kernels once, tiny, before it
+    #: reports ready (agent/kernel_warm.py), so the rank it becomes does not load them lazily after a fault
+    standby_kernel_warm: bool = True
     #: HYPERPODRUN_SYMPTOM_GRACE_S: how long a symptom of another rank's fault waits for the real cause
     symptom_grace_s: float = DEFAULT_SYMPTOM_GRACE_S
     #: HYPERPODRUN_EXIT_GRACE_S: how long a worker exit that looks like a symptom of another rank's failure
@@ -144,6 +147,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any], bool]] = {
     "warm_imports": ("WARM_IMPORTS", _modules, True),   # "" is valid: import nothing ahead
     "gc_freeze": ("GC_FREEZE", _bool, False),
     "nccl_abort_background": ("NCCL_ABORT_BACKGROUND", _bool, False),
+    "standby_kernel_warm": ("STANDBY_KERNEL_WARM", _bool, False),
     "symptom_grace_s": ("SYMPTOM_GRACE_S", _grace, False),
     "exit_grace_s": ("EXIT_GRACE_S", _grace, False),
     "restart_grace_s": ("RESTART_GRACE_S", _positive_grace, False),

@@ -23,5 +23,5 @@ fi
 deadline=$((SECONDS + WAIT_S))
 while [ ! -e "$W/done" ] && [ $SECONDS -lt $deadline ]; do sleep 2; done
 cat "$W/log"
-(cd "$W" && tar czf - --exclude='*.pt' log env p o m t c1 c1i c1s c2 c3 merged 2>/dev/null) > "$OUT/gpu-recovery.tar.gz"
+(cd "$W" && tar czf - --exclude='*.pt' log env p o m t w c1 c1i c1n c1s c2 c3 merged 2>/dev/null) > "$OUT/gpu-recovery.tar.gz"
 ls -la "$OUT"

@@ -33,10 +33,11 @@ def test_every_setting_parses() -> None:
                        "HYPERPODRUN_WARM_IMPORTS": "", "HYPERPODRUN_SYMPTOM_GRACE_S": "0.5",
                        "HYPERPODRUN_EXIT_GRACE_S": "3", "HYPERPODRUN_LOG_DIR": "/tmp/logs",
                        "HYPERPODRUN_SHM_DIR": "/mnt/tmpfs", "HYPERPODRUN_JOB_SECRET": f"  {SECRET}\n",
-                       "HYPERPODRUN_RESTART_GRACE_S": "12"})
+                       "HYPERPODRUN_RESTART_GRACE_S": "12", "HYPERPODRUN_STANDBY_KERNEL_WARM": "off"})
     assert (s.log_level, s.warm_respawn, s.warm_imports, s.symptom_grace_s, s.exit_grace_s) == \
         (logging.WARNING, False, (), 0.5, 3.0)
     assert (s.log_dir, s.shm_dir, s.restart_grace_s) == ("/tmp/logs", "/mnt/tmpfs", 12.0)
+    assert s.standby_kernel_warm is False and settings.Settings().standby_kernel_warm is True
     assert s.job_secret is not None and s.job_secret.get_secret_value() == SECRET.encode(), "stripped"
     assert SECRET not in repr(s) and SECRET not in str(s), "the secret never shows in a repr"
     assert settings.load({}) == settings.Settings() and settings.Settings().shm_dir == "/dev/shm"
@@ -45,6 +46,7 @@ def test_every_setting_parses() -> None:
 @pytest.mark.parametrize("name, value, needle", [
     ("HYPERPODRUN_LOG_LEVEL", "loud", "is not a log level"),
     ("HYPERPODRUN_WARM_RESPAWN", "maybe", "is not on or off"),
+    ("HYPERPODRUN_STANDBY_KERNEL_WARM", "2", "is not on or off"),
     ("HYPERPODRUN_WARM_IMPORTS", "torch,9lives", "'9lives' is not a module name"),
     ("HYPERPODRUN_SYMPTOM_GRACE_S", "soon", "is not a number of seconds in 0..60"),
     ("HYPERPODRUN_EXIT_GRACE_S", "inf", "is not a number of seconds in 0..60"),
@@ -160,3 +162,17 @@ def test_worker_context_names_a_bad_value(name: str, value: str) -> None:
     with pytest.raises(ConfigError) as err:
         worker_context({name: value})
     assert str(err.value).startswith(name) and "do not set it yourself" in str(err.value), str(err.value)
+
+
+def test_the_zygote_loads_the_modules_behind_hyperpodruns_public_names(tmp_path) -> None:
+    """`from hyperpodrun import CheckpointManager, MMAPDataLoader` at a script's top imports those modules only
+    when the names are first used (hyperpodrun's lazy attributes): the zygote - and so a standby - loads them
+    ahead, not the rank after a fault."""
+    from hyperpodrun import _LAZY
+    from hyperpodrun.agent import zygote
+    script = tmp_path / "train.py"
+    script.write_text("import os\nfrom hyperpodrun import CheckpointManager, HPWrapper, __version__\n"
+                      "import torch.nn as nn\n")
+    names = zygote.script_imports(str(script))
+    assert names == ["hyperpodrun", _LAZY["CheckpointManager"], _LAZY["HPWrapper"], "torch.nn"], names
+    assert "hyperpodrun.runtime.checkpoint" in zygote.DEFAULT_IMPORTS
