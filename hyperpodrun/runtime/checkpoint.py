@@ -37,6 +37,7 @@ import weakref
 import os
 import shutil
 import threading
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 from hyperpodrun import env as E
@@ -138,6 +139,9 @@ class CheckpointManager:
         #: how this rank's last restore() got its state: "live" (its own objects, nothing copied), "shm",
         #: "replica", "peer", "disk", or None (a fresh start)
         self.restored_from: Optional[str] = None
+        #: seconds each phase of the last restore() took (find, plan, transfer, open, load; in that order),
+        #: also in its log line: where a slow recovery spends its time
+        self.restore_phases: dict[str, float] = {}
         self._peers: Optional[PeerCopies] = None
         self._exit_hook = False
         self._inflight: Optional[tuple[io.Staged, dict[str, bool]]] = None   # the snapshot being copied
@@ -366,6 +370,13 @@ class CheckpointManager:
         _check_state(state, "restore")
         self.wait()
         self.restored_from = None
+        phases = self.restore_phases = {}
+        mark = [time.monotonic()]
+
+        def phase(name: str) -> None:     # the time since the previous mark, added to `name`
+            now = time.monotonic()
+            phases[name] = round(phases.get(name, 0.0) + now - mark[0], 4)
+            mark[0] = now
         if getattr(self._caller, "world_size_changed", False):
             return self._restore_resized(state)
         # a survivor whose objects are still at its newest save need not read that slot (nor sum it)
@@ -379,7 +390,9 @@ class CheckpointManager:
         mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
                            "copies": {src: sorted(steps) for src, steps in copies.items()},
                            "never_committed": self._first_iteration == 0 and self.last_saved is None}
+        phase("find")
         plan = plan_restore(gather(mine), lambda world: self._groups(state, world))
+        phase("plan")
         if plan is None:
             alive = [o for o in (ref() for ref in self._saved_objects) if o is not None]
             kept = [name for name, obj in state.items() if any(o is obj for o in alive)]
@@ -411,6 +424,7 @@ class CheckpointManager:
                 else:
                     data = bytearray(got.blob)
                     self._keep(step, got.blob)
+        phase("transfer")
         if live is not None and self._live is not None and self._live.step == step and step in shm:
             self._load_live(live, state)
             self.restored_from = "live"
@@ -438,21 +452,23 @@ class CheckpointManager:
                 except SnapshotCorrupt as exc:
                     raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") \
                         from exc
+                phase("open")
                 self._load(payload, state, non_blocking=slot is not None and slot.pinned)   # copies out of it
             finally:
                 payload = None
                 if slot is not None:
                     slot.close()
             self.restored_from = source
+        phase("load")
         self.last_saved = step
         if self._session is not None and self.rank == 0:
             from hyperpodrun import protocol as P
             self._session.send(P.Restored(rank=self.rank, pid=os.getpid(), generation=self._caller.iteration,
                                           step=step, lost_steps=plan.lost_steps, source=plan.source))
-        log.info("restored step %d (%d step(s) lost); this rank's state: %s", step, plan.lost_steps,
+        log.info("restored step %d (%d step(s) lost); this rank's state: %s; %s", step, plan.lost_steps,
                  "its own objects, unchanged since that save" if self.restored_from == "live" else
                  f"copied from {self.restored_from}" + {"live": " (live tensors)", "slot": " (slot bytes)"}.get(
-                     self.restored_via or "", ""))
+                     self.restored_via or "", ""), ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
         return step
 
     def _restore_resized(self, state: Mapping[str, Any]) -> Optional[int]:

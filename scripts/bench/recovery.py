@@ -217,7 +217,8 @@ def measure(out: Path, nproc: int) -> dict[str, Any]:
     t_end = max((s["t"] for s in steps), default=None)
     n_steps = max((s["step"] for s in steps), default=0)
     goodput = (n_steps * step_s / (t_end - t_start)) if step_s and t_start and t_end and t_end > t_start else None
-    return {"faults": per_fault, "step_s": step_s, "goodput": goodput, "steps": steps, "entries": entries}
+    return {"faults": per_fault, "step_s": step_s, "goodput": goodput, "steps": steps, "entries": entries,
+            "tops": records(out, "tops")}
 
 
 def phases(run: Path, faults: list[dict[str, Any]]) -> dict[str, Optional[float]]:

@@ -146,19 +146,25 @@ def hyperpodrun_inprocess() -> None:
     """The model and optimizer are built once per process, outside the re-executed function: a surviving rank
     keeps them (on the GPU), and restore() leaves them as they are when they are still at the restored step
     (CheckpointManager's reuse_live). Only DDP, which holds the process group, is made again per generation."""
+    note("tops", phase="top")           # where the script's own top spends a replacement's time to READY
     from hyperpodrun import CheckpointManager, HPWrapper
     offload = os.environ.get("OFFLOAD") == "1"
     cm = CheckpointManager(enable_offload=offload, stage_on_device=offload and os.environ.get("STAGED") == "1")
     dev = device()
     model, opt = build_model(dev)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    note("tops", phase="built")
 
     @HPWrapper(checkpoint_manager=cm, abort_timeout=30)
     def main(caller=None):
         dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=PG_TIMEOUT))
         state = {"model": model, "opt": opt}
+        note("tops", phase="entered", gen=caller.iteration)
         start = cm.restore(state) or 0
-        note("entries", gen=caller.iteration, start=start, restored_from=cm.restored_from)
+        note("entries", gen=caller.iteration, start=start, restored_from=cm.restored_from,
+             restore_phases=cm.restore_phases)
         ddp = nn.parallel.DistributedDataParallel(model)   # after the restore: its broadcast changes nothing
 
         def save(step: int) -> None:
