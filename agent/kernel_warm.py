@@ -7,9 +7,12 @@ after the fault, while the script it becomes builds its model (random init, cast
 moves that time out of recovery; the tensors are tiny (64 x 64), so the GPU memory a standby holds stays
 its context plus cuBLAS's workspace (measured in scripts/bench/gpu_standby_warm.py).
 
-What it leaves as it was: the default generators' states (random ops draw from a private generator, and
-the CPU and device states are restored anyway), grad mode, the default dtype and the caching allocator's
-cache (emptied). The loaded kernels are the only lasting effect, which is the point.
+It runs in a thread of the standby's own, after the standby reported ready (zygote.stand_by), so that a
+rank dying meanwhile is taken over at once; the script the standby becomes may then run beside its tail
+(`stop` ends it between steps). So it touches nothing the script could see: random numbers come from a
+private generator only (modules are made without their default init, `skip_init`), grad mode is set per
+thread, the default dtype is never set, and the cache is emptied only when it ran to its end. The loaded
+kernels (and cuBLAS's handle, back in torch's pool when the thread ends) are the only lasting effect.
 
 Written for any device torch runs on (`warm(torch.device("cpu"))` runs the same code on CPU, which is how it
 is tested on a machine without a GPU).
@@ -27,49 +30,37 @@ log = logging.getLogger(__name__)
 SIDE = 64
 
 
-def warm(device: Any, dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")) -> dict[str, Any]:
+def warm(device: Any, dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16"),
+         stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Launch the usual init, cast, elementwise, reduction, matmul, loss and optimizer kernels on `device`
-    for each dtype of `dtypes` it supports, then synchronise and empty the cache. Returns {"warm_s": seconds,
-    "dtypes": [those warmed], "skipped": {dtype: reason}}; never raises for one dtype's failure (an old GPU
-    without bfloat16 matmuls still warms the rest)."""
+    for each dtype of `dtypes` it supports, then synchronise and empty the cache. `stop()` is asked before
+    each dtype: True ends the warm-up there (the standby became a rank). Returns {"warm_s": seconds,
+    "dtypes": [those warmed], "skipped": {dtype: reason}, "stopped": bool}; never raises for one dtype's
+    failure (an old GPU without bfloat16 matmuls still warms the rest)."""
     import torch
     t0 = time.monotonic()
-    cpu_rng = torch.get_rng_state()
     dev = torch.device(device)
-    dev_rng = _device_rng(torch, dev)
-    grad, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     done: list[str] = []
     skipped: dict[str, str] = {}
-    try:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(0)
-        for name in dtypes:
-            dtype = getattr(torch, name)
-            try:
-                with torch.enable_grad():
-                    _one_dtype(torch, dev, dtype, gen)
-                done.append(name)
-            except Exception as exc:     # a dtype this device cannot do: the others are still worth warming
-                skipped[name] = f"{type(exc).__name__}: {exc}"[:200]
+    stopped = False
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    for name in dtypes:
+        if stop():
+            stopped = True
+            break
+        try:
+            with torch.enable_grad():
+                _one_dtype(torch, dev, getattr(torch, name), gen)
+            done.append(name)
+        except Exception as exc:     # a dtype this device cannot do: the others are still worth warming
+            skipped[name] = f"{type(exc).__name__}: {exc}"[:200]
+    if not stopped:
         _casts(torch, dev, tuple(done))
         _synchronize(torch, dev)
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if dev_rng is not None:
-            dev_rng[1](dev_rng[0])
-        torch.set_grad_enabled(grad)
-        torch.set_default_dtype(default_dtype)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return {"warm_s": round(time.monotonic() - t0, 3), "dtypes": done, "skipped": skipped}
-
-
-def _device_rng(torch: Any, dev: Any) -> "tuple[Any, Callable[[Any], None]] | None":
-    """(state, setter) of `dev`'s default generator, None for the CPU (restored with the CPU's)."""
-    if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_rng_state(index), lambda s: torch.cuda.set_rng_state(s, index)
-    return None
+    return {"warm_s": round(time.monotonic() - t0, 3), "dtypes": done, "skipped": skipped, "stopped": stopped}
 
 
 def _synchronize(torch: Any, dev: Any) -> None:
@@ -96,11 +87,15 @@ def _one_dtype(torch: Any, dev: Any, dtype: Any, gen: Any) -> None:
     torch.randint(0, n, (n,), device=dev, generator=gen)
     torch.arange(n, device=dev)
     # a small network: embedding, linear layers, the usual activations and norms, forward and backward
-    emb = nn.Embedding(n, n, device=dev, dtype=dtype)
-    lin1 = nn.Linear(n, n, device=dev, dtype=dtype)
-    lin2 = nn.Linear(n, n, device=dev, dtype=dtype)
-    norm = nn.LayerNorm(n, device=dev, dtype=dtype)
+    skip = nn.utils.skip_init          # made without their default init: that would draw from the default RNG
+    emb = skip(nn.Embedding, n, n, device=dev, dtype=dtype)
+    lin1 = skip(nn.Linear, n, n, device=dev, dtype=dtype)
+    lin2 = skip(nn.Linear, n, n, device=dev, dtype=dtype)
+    norm = skip(nn.LayerNorm, n, device=dev, dtype=dtype)
     params = [*emb.parameters(), *lin1.parameters(), *lin2.parameters(), *norm.parameters()]
+    with torch.no_grad():
+        for p in params:
+            nn.init.normal_(p, 0.0, 0.02, generator=gen)
     ids = torch.randint(0, n, (n,), device=dev, generator=gen)
     x = emb(ids)
     h = lin1(norm(x))

@@ -124,15 +124,11 @@ class StandbyPool:
         sb.ready = json.loads(msg)
         self._backoff[sb.local_rank] = BACKOFF_S
         where = f"CUDA context on GPU {sb.ready.get('device')}" if sb.ready.get("cuda") else "no GPU"
-        warm = sb.ready.get("kernel_warm") or {}
-        if warm.get("error"):       # the standby still serves (context, imports); its rank loads kernels lazily
-            where += f", kernels not warmed: {warm['error']}"
-        elif "warm_s" in warm:
-            where += f", kernels warmed in {warm['warm_s']:.2f}s"
+        if sb.ready.get("kernel_warm") == "background":
+            where += ", warming its kernels"
         self.events.emit("standby_ready", f"standby for local rank {sb.local_rank} ready (pid {sb.pid}, {where}, "
                          f"{now - sb.born:.2f}s)", local_rank=sb.local_rank, pid=sb.pid, cuda=bool(sb.ready.get("cuda")),
-                         ready_s=round(now - sb.born, 3), kernel_warm_s=warm.get("warm_s"),
-                         level=logging.WARNING if warm.get("error") else logging.DEBUG)
+                         ready_s=round(now - sb.born, 3), level=logging.DEBUG)
 
     # ------------------------------------------------------------------ the WorkerSource port
     def spawn(self, req: SpawnRequest) -> Optional[WorkerProcess]:

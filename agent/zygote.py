@@ -17,17 +17,21 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import logging
 import os
 import runpy
 import socket
 import sys
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 #: torch._dynamo too: HPWrapper imports it before the first process group (runtime/torch_state.py), and a
 #: respawned worker would otherwise spend ~1 s (CPU) to 3.4-3.8 s (H200 host) importing it after the fork
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch._dynamo", "hyperpodrun.runtime.wrapper",
                    "hyperpodrun.runtime.checkpoint")
+
+log = logging.getLogger("hyperpodrun.agent")
 
 # Packages whose import is known not to start threads or touch the GPU driver: when the script imports them
 # at top level, the zygote imports them too. Anything else only by HYPERPODRUN_WARM_IMPORTS.
@@ -137,13 +141,17 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
             info.update(cuda=True, device=device)
             info["nccl_warm_s"] = warm_nccl(device)
             if req.get("kernel_warm", True):
-                info["kernel_warm"] = warm_kernels(device)
+                info["kernel_warm"] = "background"
             slot_dir = req.get("slot_dir")
     except Exception as exc:   # no usable GPU here: a standby still saves the fork and the imports
         info["cuda_error"] = f"{type(exc).__name__}: {exc}"
     prepinner = None
+    taken = threading.Event()
     try:
         chan.send(json.dumps(info).encode())
+        if info.get("kernel_warm") == "background":   # after ready: a rank dying meanwhile is taken over at once
+            threading.Thread(target=warm_kernels, args=(info["device"], taken.is_set), daemon=True,
+                             name="hyperpodrun-kernel-warm").start()
         if slot_dir is not None:        # the slots it would restore from, mapped and pinned meanwhile
             from hyperpodrun.runtime import pinned_read
             prepinner = pinned_read.Prepinner(slot_dir, PREPIN_EVERY_S).start()
@@ -151,8 +159,9 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
     except OSError:
         return None
     finally:
-        if prepinner is not None:
-            prepinner.stop()            # the takeover goes on; a registration in progress ends by itself
+        taken.set()                     # the warm-up ends before its next dtype (it never touches the script's
+        if prepinner is not None:       # state); the takeover goes on; a registration in progress ends by itself
+            prepinner.stop()
     if not msg:
         return None
     task = json.loads(msg)
@@ -165,16 +174,20 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
 PREPIN_EVERY_S = 0.5
 
 
-def warm_kernels(device: int) -> dict[str, Any]:
-    """agent/kernel_warm.py on this GPU; a failure is reported in the ready message, never fatal (the standby
-    still saves the fork, the imports and the context)."""
+def warm_kernels(device: int, stop: Callable[[], bool]) -> None:
+    """agent/kernel_warm.py on this GPU, in the standby's warm-up thread; a failure is one warning line (on the
+    zygote's log, or the rank's once the standby became one), never fatal: the standby still saves the fork,
+    the imports and the context."""
     try:
         import torch
 
         from hyperpodrun.agent import kernel_warm
-        return kernel_warm.warm(torch.device("cuda", device))
+        done = kernel_warm.warm(torch.device("cuda", device), stop=stop)
+        log.debug("standby %d: kernels warmed on GPU %d in %.2fs%s", os.getpid(), device, done["warm_s"],
+                  " (stopped: it became a rank)" if done["stopped"] else "")
     except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        log.warning("hyperpodrun standby %d: kernels not warmed (%s: %s); the rank it becomes loads them as it "
+                    "goes", os.getpid(), type(exc).__name__, exc)
 
 
 def warm_nccl(device: int) -> Optional[float]:

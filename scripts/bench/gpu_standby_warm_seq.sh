@@ -5,11 +5,11 @@
 #   c1   hyperpodrun --inprocess-restart --standby-workers 1 (kernel warm-up on: the default), and the calibration
 #   c1n  the same with HYPERPODRUN_STANDBY_KERNEL_WARM=0, c1's calibration (C1N=0 skips it)
 #   c2   torchrun + torch.save checkpoints, c1's calibration
-# KINDS (default kill), FAULTS_HPR and FAULTS as in gpu_recovery_fast_seq.sh.
+# KINDS (default kill), FAULTS_HPR and FAULTS as in gpu_recovery_fast_seq.sh; INTERVAL: steps between faults (8).
 set -uo pipefail
 OUT="$W/env"
 source scripts/bench/gpu_env.sh
-common=(--gpu --interval 8 --warmup 10 --kinds "${KINDS:-kill}")
+common=(--gpu --interval "${INTERVAL:-8}" --warmup 10 --kinds "${KINDS:-kill}")
 stage() { echo "== $1 $(date +%T)"; shift; "$@"; echo "== rc=$? $(date +%T)"; }
 mkdir -p "$W/w"
 [ "${WARM_ROUNDS:-3}" -gt 0 ] && stage w timeout "${WARM_S:-400}" python3 scripts/bench/gpu_standby_warm.py --out "$W/w" --rounds "${WARM_ROUNDS:-3}" --variants "${WARM_VARIANTS:-cold,warm,eager}"
