@@ -4,7 +4,7 @@
 #   w    scripts/bench/gpu_standby_warm.py: cold / warm / eager standby processes, the script's top and first steps
 #   c1   hyperpodrun --inprocess-restart --standby-workers 1 (kernel warm-up on: the default), and the calibration
 #   c1n  the same with HYPERPODRUN_STANDBY_KERNEL_WARM=0, c1's calibration (C1N=0 skips it)
-#   c2   torchrun + torch.save checkpoints, c1's calibration
+#   c2   torchrun + torch.save checkpoints, c1's calibration (C2=0 skips it)
 # KINDS (default kill), FAULTS_HPR and FAULTS as in gpu_recovery_fast_seq.sh; INTERVAL: steps between faults (8).
 set -uo pipefail
 OUT="$W/env"
@@ -20,7 +20,7 @@ if [ -n "$cal" ]; then
   echo "calibrated: $cal"
   [ "${C1N:-1}" = 1 ] && stage c1n env HYPERPODRUN_STANDBY_KERNEL_WARM=0 python3 scripts/bench/recovery.py "${common[@]}" --out "$W/c1n" \
     --systems hpr-inprocess --faults "$FAULTS_HPR" --calibrated "$cal"
-  stage c2 python3 scripts/bench/recovery.py "${common[@]}" --out "$W/c2" --systems torchrun --faults "$FAULTS" \
+  [ "${C2:-1}" = 1 ] && stage c2 python3 scripts/bench/recovery.py "${common[@]}" --out "$W/c2" --systems torchrun --faults "$FAULTS" \
     --calibrated "$cal"
   parts=$(for c in c1 c2; do [ -e "$W/$c/recovery.json" ] && printf '%s,' "$W/$c"; done)
   stage merged python3 scripts/bench/recovery.py --merge "${parts%,}" --out "$W/merged"
