@@ -181,10 +181,11 @@ def test_group_before_wrapper_warns_and_ready_timeout_names_the_rank(launcher, o
     assert len(timeout) == 1, info
     msg = timeout[0]["msg"]
     assert f"rank 1 (pid {respawned[0]['pid']}) never reported READY" in msg and "never reached HPWrapper" in msg, msg
-    assert "rank 0" not in msg, msg
-    # rank 2 only when gloo left it in the all-reduce: a peer's SIGKILL can make gloo's pending send wait for the
-    # group's timeout (its buffer is never told); the report then says where it is, which is right
-    assert "rank 2" not in msg or "never reported READY: running at step" in msg.split("rank 2", 1)[1][:80], msg
+    # a survivor only when gloo left it in the all-reduce: a peer's SIGKILL can make gloo's pending send wait for
+    # the group's timeout (its buffer is never told); the report then says where it is, which is right. Either
+    # survivor can be the one (rank 0 was, once, on a loaded machine)
+    for survivor in ("rank 0", "rank 2"):
+        assert survivor not in msg or "never reported READY: running at step" in msg.split(survivor, 1)[1][:80], msg
     failed = events_named(job.log_dir, "job_failed")
     assert failed and f"pid {respawned[0]['pid']}) never reported READY" in failed[0]["msg"], info
 
