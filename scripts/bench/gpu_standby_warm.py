@@ -6,7 +6,7 @@
 Each round starts one fresh process per variant (in turn, so drift hits them alike). A process first does
 what a standby does before a fault, then what the script it becomes does after one:
   cold   the CUDA context and a one-rank NCCL group (agent/zygote.warm_nccl): the standby before warm-up
-  warm   the same, then agent/kernel_warm.warm() (the standby now)
+  warm   the same, then agent/kernel_warm.warm() (in line here; a standby runs it in a thread once ready)
   eager  CUDA_MODULE_LOADING=EAGER: every kernel of every library loaded with the context (for comparison)
 then, timed: the recovery benchmark's model built on the GPU (LAYERS x DIM^2 MLP, initialised on the device
 in fp32, cast to bf16, Adam: what scripts/bench/recovery_worker.py's top does before HPWrapper - the part of
