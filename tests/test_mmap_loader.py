@@ -315,3 +315,40 @@ def test_resumable_sampler_shards_and_resumes():
     assert ResumableSampler(10, seed=1).indices(0) != ResumableSampler(10, seed=1).indices(1)
     with pytest.raises(ValueError):
         ResumableSampler(10, num_replicas=2, rank=2)
+
+
+class FailsOnce(Counting):
+    """Counting whose read of sample `at` raises once - as the interrupt of an in-process restart lands inside
+    the loader's next(), after its sampler has moved past that batch."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.failed = at, False
+
+    def __getitem__(self, i: int):
+        if i == self.at and not self.failed:
+            self.failed = True
+            raise RuntimeError("interrupted inside next()")
+        return super().__getitem__(i)
+
+
+def test_a_read_cut_short_inside_the_loader_resumes_at_the_right_batch(tmp_path):
+    """Reading directly (the cache off): a next() cut short by an exception leaves the wrapped iterator one
+    batch further than the stream's own count. The same stream asked again from that step must seek, not go
+    on from where the iterator stopped (it served the batch of step k+1 as step k: a survivor of an
+    in-process restart trained on the wrong batch)."""
+    want = reference(12)
+    order = [int(i) for i in sampler_loader(Counting()).sampler]   # the sample order of epoch 0
+    ds = FailsOnce(at=order[5 * BATCH])                            # the first sample of step 5
+    mm = MMAPDataLoader(sampler_loader(ds), config(tmp_path, max_bytes=100))   # too small: read directly
+    got = []
+    with pytest.raises(RuntimeError, match="interrupted inside next"):
+        for step, batch in mm.iter_from(0):
+            got.append((step, batch["x"].clone()))
+    assert [s for s, _ in got] == [0, 1, 2, 3, 4]
+    for step, batch in mm.iter_from(5, stop=12):                   # the restored step: 5
+        got.append((step, batch["x"].clone()))
+    assert [s for s, _ in got] == list(range(12))
+    for step, x in got:
+        assert torch.equal(x, want[step]), f"step {step}: another step's batch"
+    mm.close()

@@ -204,7 +204,7 @@ class MMAPDataLoader:
     def _direct_source(self, group: Optional[groups.Group], step: int) -> Source:
         if self._direct is None:
             self._direct = Source(self.loader, epochs=self.epochs, replay=self.config.resume == "replay")
-        if self._direct.step != step:
+        if self._direct.step != step or self._direct.moving:   # moving: a read of it was cut short
             cached = group.steps() if group is not None else {}
             meta = group.meta if group is not None else (lambda _k: None)
             self._direct.seek(step, meta, list(cached), why=f"batch {step} is not in the MMAP cache")

@@ -143,7 +143,7 @@ class Producer(threading.Thread):
                 self._idle()
                 continue
             self._trim(low - cfg.lookback_length, max(hi, low), room=1)
-            if self.source.step != target:
+            if self.source.step != target or self.source.moving:
                 self.source.seek(target, self.group.meta, list(self.sizes))
                 self.seeks.append((target, self.source.last_seek))
                 log.info("MMAP producer %s: stream positioned at step %d (%s)", self.group.path, target,

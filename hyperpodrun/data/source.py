@@ -74,6 +74,9 @@ class Source:
         else:
             self.kind = "plain"
         self.step: Optional[int] = None    # step of the batch next() returns; None: not positioned
+        #: a next() or seek() was left part-way (an exception, e.g. the interrupt of an in-process restart,
+        #: landed inside it): `step` may no longer name the iterator's position, so whoever reads on seeks first
+        self.moving = False
         self.epoch = 0
         self.index = 0                     # index within the epoch of the batch next() returns
         self._it: Optional[Iterator] = None
@@ -152,6 +155,12 @@ class Source:
 
         cached_meta(k): the stored meta of batch k when it is in the cache; cached_steps: the steps there.
         """
+        self.moving = True          # cleared only once positioned: a seek cut short is no position
+        self._seek(step, cached_meta, cached_steps, why)
+        self.moving = False
+
+    def _seek(self, step: int, cached_meta: Callable[[int], Optional[dict]], cached_steps: Iterable[int],
+              why: str) -> None:
         if step == 0:
             self._open(0, 0)
             self.step, self.last_seek = 0, "start"
@@ -197,8 +206,10 @@ class Source:
         """The batch of step `self.step` and its meta, or None when the data ran out."""
         if self.step is None:
             raise OutOfOrderError("Source.next() before seek()")
+        self.moving = True          # the iterator advances before `step` does: cleared once both agree again
         while True:
             if self.epochs is not None and self.epoch >= self.epochs:
+                self.moving = False
                 return None
             it = self._it if self._it is not None else self._open(self.epoch, 0)
             try:
@@ -209,6 +220,7 @@ class Source:
                 if empty:
                     log.warning("MMAP cache: %s yielded no batch in epoch %d; the stream ends at step %d",
                                 describe(self.loader), self.epoch, self.step)
+                    self.moving = False
                     return None
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
@@ -216,6 +228,7 @@ class Source:
                     "state": self.loader.state_dict() if self.kind == "state" else None}
             self.step += 1
             self.index += 1
+            self.moving = False
             return batch, meta
 
     def close(self) -> None:
