@@ -405,7 +405,7 @@ def test_a_fresh_start_refuses_state_this_rank_already_trained(env, monkeypatch)
     cm.attach(types.SimpleNamespace(iteration=0, store=None), None)
     model = torch.nn.Linear(4, 4)
     cm.save(1, {"model": model})
-    other = {"shm": [], "disk": [], "latest": None, "copies": {}, "never_committed": True}
+    other = {"shm": [], "disk": [], "latest": None, "copies": {}, "never_committed": True, "live": None, "at": None}
     monkeypatch.setattr(ckpt, "gather", lambda mine: [mine, other])
     with pytest.raises(StateLostError, match=r"\['model'\] are the objects this rank already trained"):
         cm.restore({"model": model})

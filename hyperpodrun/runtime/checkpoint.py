@@ -52,6 +52,7 @@ from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
 from hyperpodrun.runtime.pinned_read import DeviceReadable
 from hyperpodrun.runtime.restore_plan import Inventory, find_snapshots, gather, map_private, plan_restore
 from hyperpodrun.runtime.live_state import LiveState
+from hyperpodrun.runtime.snapshot_budget import OverheadBudget
 from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
                                              rng_state, saved_where, set_rng_state, state_dict_of, tensors_in)
 from hyperpodrun.safe_fs import private_dir
@@ -71,18 +72,28 @@ class CheckpointManager:
 
     enable_checksum: accepted for compatibility; every slot carries a checksum (CRC32) and a slot that does
         not match is never restored, whatever this says.
-    enable_offload: take the copy of parameters and optimizer state off the training step: `save`
-        returns at once, the copy (by DMA on a side CUDA stream for device tensors) runs while the next
-        forward/backward runs, and the next optimizer step waits for it. A fault before the copy
-        completes costs one more step. Without it `save` returns once the slot is complete.
-    stage_on_device: with enable_offload, copy the deferred GPU tensors first into buffers on their own
-        GPU (device-to-device, a few ms per GB) and from there to the host slot: the next optimizer step
-        then waits only for that first copy, not for the device->host copy (PCIe, ~55 GB/s on an H200
-        host), which runs behind the training one piece at a time so that the training's own
-        device->host copies (`loss.item()`) do not queue behind it. Costs GPU memory equal to the
-        parameters and optimizer state (the buffers are kept between saves). For a state whose
-        device->host copy is longer than a step's forward and backward; with snapshots every k steps where
-        it is longer than a whole step (measured on an H200: +1.8 % every 8 steps of 0.09 s, 6.4 GB).
+    enable_offload: None (default): True for a state on a GPU, False for a host state. True: the copy is
+        taken off the training step - `save` returns at once, the copy runs while the next forward/backward
+        runs (GPU tensors by DMA on a side CUDA stream), and the next optimizer step waits for it (only for
+        the device-to-device staging copy when staged). False: `save` returns once the state is captured -
+        for a host state once the slot is complete; for a GPU state once it is in the device staging buffers
+        (or the slot, without staging): the device->host copy, longer than a step for a large state, never
+        holds up the step either way. A fault before a copy completes falls back to the snapshot before it.
+    stage_on_device: None (default): on for a GPU state when the device has room for a copy of it (decided
+        at the first snapshot: what is free to the driver and to torch's caching allocator, minus a tenth of
+        the device, must hold the state). The deferred GPU tensors are copied first into buffers on their own
+        GPU (device-to-device, ~2 TB/s) and from there to the host slot, one piece at a time behind the
+        training: the next optimizer step waits only for the first copy. Costs device memory equal to the
+        parameters and optimizer state (the buffers are kept between saves). True: always (a GPU state);
+        False: never.
+    max_overhead: for a GPU state (whose snapshots are copied behind the training), the share of the step
+        time that snapshots may cost (default 0.02). Every save() call certifies the live state (a value
+        fingerprint, on the device: an exception or a peer's death retrains nothing), but the copy that
+        survives the process's death is taken only every `snapshot_interval` calls, the interval following
+        from this budget and the costs measured at run time (hyperpodrun/runtime/snapshot_budget.py); a
+        snapshot still in flight is never waited for (the call is coalesced). `retrain_bound` is what a SIGKILL
+        of a rank without a live replica can cost, in steps. None: every call is a snapshot (each waits for
+        the one before).
     fallback_dir / fallback_every: also write every N-th snapshot to disk, asynchronously and atomically,
         for the case where shared memory is lost too.
     replica_groups / num_distributed_optimizer_instances: ranks that hold identical state (a rank that
@@ -90,16 +101,18 @@ class CheckpointManager:
     peer_copy: with several nodes, also copy every slot to a rank on another node (default: on when the
         job spans several nodes), so that the loss of a node does not lose the state of its ranks.
     shm_dir: where the slots live (a tmpfs; default /dev/shm, or HYPERPODRUN_SHM_DIR).
-    reuse_live: a surviving rank whose objects are still at the restored step keeps them as they are
-        instead of copying the state back (hyperpodrun/runtime/live_state.py says when that is the case);
-        False for scripts that change parameters through `.data` between saves.
+    reuse_live: a surviving rank whose objects still hold the values of the restored step keeps them as they
+        are instead of copying the state back, whatever wraps them (hyperpodrun/runtime/live_state.py; the
+        values are compared by fingerprint, hyperpodrun/runtime/fingerprint.py says what it can miss).
+        False for scripts that permute or flip the signs of their state's elements between saves.
     """
 
-    def __init__(self, enable_checksum: bool = False, enable_offload: bool = False,
+    def __init__(self, enable_checksum: bool = False, enable_offload: Optional[bool] = None,
                  fallback_dir: Optional[str] = None, fallback_every: Optional[int] = None,
                  shm_dir: Optional[str] = None, replica_groups: Optional[Sequence[Sequence[int]]] = None,
                  num_distributed_optimizer_instances: Optional[int] = None,
-                 peer_copy: Optional[bool] = None, reuse_live: bool = True, stage_on_device: bool = False) -> None:
+                 peer_copy: Optional[bool] = None, reuse_live: bool = True, stage_on_device: Optional[bool] = None,
+                 max_overhead: Optional[float] = 0.02) -> None:
         if replica_groups is not None and num_distributed_optimizer_instances is not None:
             raise ApiValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
                                 "not both")
@@ -108,9 +121,10 @@ class CheckpointManager:
                                 f"{num_distributed_optimizer_instances}): must be >= 1 (2 or more for redundancy)")
         if fallback_every is not None and fallback_every < 1:
             raise ApiValueError(f"CheckpointManager(fallback_every={fallback_every}): must be >= 1")
-        if stage_on_device and not enable_offload:
-            raise ApiValueError("CheckpointManager(stage_on_device=True) stages the copy that enable_offload "
-                                "takes off the step: give enable_offload=True as well")
+        if max_overhead is not None and (isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float))
+                                         or not 0 < max_overhead < 1):
+            raise ApiValueError(f"CheckpointManager(max_overhead={max_overhead!r}): a share of the step time "
+                                "between 0 and 1 (e.g. 0.02), or None to snapshot at every save()")
         if fallback_every is not None and not fallback_dir:
             raise ApiValueError("CheckpointManager(fallback_every=...) needs fallback_dir= (where to write)")
         self.enable_checksum = enable_checksum
@@ -128,6 +142,15 @@ class CheckpointManager:
         self._streams = copying.SideStream()
         self.stage_on_device = stage_on_device
         self._staging: Optional[copying.DeviceStaging] = copying.DeviceStaging() if stage_on_device else None
+        self._staging_decided = stage_on_device is not None
+        self.max_overhead = max_overhead
+        self._budget = OverheadBudget(max_overhead)
+        self._on_gpu: Optional[bool] = None           # whether the state has CUDA tensors (first save)
+        self._since_snapshot = 0                      # save() calls since the last snapshot began
+        self._waited = 0.0                            # host seconds the optimizer step waited for the copy
+        self._sealed: dict[str, int] = {}             # slot path -> step, for slots this process sealed
+        self._slot_steps: dict[str, int] = {}         # slot path -> the step it holds, as far as known
+        self._staged_step: Optional[int] = None       # the step the device staging buffers hold, once sealed
         self._hook: Any = None
         self._layouts = LayoutKeeper()
         self.last_saved: Optional[int] = None
@@ -135,7 +158,7 @@ class CheckpointManager:
         self._saved_objects: list[weakref.ref] = []     # the state objects of the last save (not kept alive)
         self.peer_copy = peer_copy
         self.reuse_live = reuse_live
-        self._live: Optional[LiveState] = None          # the newest sealed save, as the objects still hold it
+        self._live: Optional[LiveState] = None          # the newest save() call, as the objects still hold it
         #: how this rank's last restore() got its state: "live" (its own objects, nothing copied), "shm",
         #: "replica", "peer", "disk", or None (a fresh start)
         self.restored_from: Optional[str] = None
@@ -201,6 +224,8 @@ class CheckpointManager:
         for slot in self._files.values():
             slot.close()
         self._files.clear()
+        self._sealed.clear()
+        self._slot_steps.clear()
         if self._staging is not None:
             self._staging.release()
         if self._hook is not None:
@@ -240,34 +265,84 @@ class CheckpointManager:
         with interrupter.critical():
             self._save(step, state)
 
-    def _save(self, step: int, state: Mapping[str, Any]) -> None:
+    @property
+    def snapshot_interval(self) -> int:
+        """Every how many save() calls a GPU state is snapshotted, as the overhead budget sets it now (1 for a
+        host state, or with max_overhead=None)."""
+        return self._budget.interval if self._budgeted else 1
+
+    @property
+    def retrain_bound(self) -> int:
+        """The most steps a SIGKILL of a rank whose state has no live replica retrains, as measured so far: the
+        snapshot interval plus the save() calls a snapshot was seen in flight."""
+        return self._budget.retrain_bound if self._budgeted else 1
+
+    @property
+    def _budgeted(self) -> bool:
+        return bool(self._on_gpu) and self.max_overhead is not None and self._offloaded
+
+    @property
+    def _offloaded(self) -> bool:
+        """Whether snapshots are copied behind the training (see enable_offload)."""
+        return bool(self._on_gpu) if self.enable_offload is None else (self.enable_offload or bool(self._on_gpu))
+
+    def _save(self, step: int, state: Mapping[str, Any], force: bool = False) -> None:
         import torch
-        self._writer.wait()                         # one snapshot in flight at a time
+        began = self._budget.call_started()
+        if self._on_gpu is None:
+            self._on_gpu = _has_cuda_tensors(state)
         payload: dict[str, Any] = {"step": step, "rng": rng_state(), "state": {},
                                    "ddp_layouts": self._layouts.collect()}
-        stable: set[int] = set()
         self._saved_objects = [weakref.ref(o) for o in state.values() if _weakrefable(o)]
         for name, obj in state.items():
             if hasattr(obj, "state_dict") and callable(obj.state_dict):
-                sd = state_dict_of(obj)
-                payload["state"][name] = ("sd", sd)
-                if isinstance(obj, torch.optim.Optimizer):        # changed only by the optimizer step
-                    stable.update(local_ptr(t) for t in tensors_in(sd))
-                elif isinstance(obj, torch.nn.Module):
-                    stable.update(local_ptr(p) for p in obj.parameters())
+                payload["state"][name] = ("sd", state_dict_of(obj))
             else:
                 payload["state"][name] = ("value", obj)
-        live = LiveState(step, payload, state) if self.reuse_live else None
+        if self.reuse_live:
+            # certified at every call: values fingerprinted behind the training, on the device
+            self._live = LiveState(step, payload, self._streams if self._on_gpu else None)
+            self._live_generation = getattr(self._caller, "iteration", 0)
+            if self._on_gpu:
+                self._install_step_barrier()
+        busy = self._writer.busy()
+        if not force and self._budgeted and (busy or self._since_snapshot + 1 < self._budget.interval):
+            self._since_snapshot += 1                # coalesced (in flight) or not due: certified only
+            self._budget.certified(time.perf_counter() - began)
+            return
+        self._since_snapshot = 0
+        self._snapshot(step, state, payload, began)
+
+    def _snapshot(self, step: int, state: Mapping[str, Any], payload: dict, began: float) -> None:
+        """Copy `payload` into a slot (see save)."""
+        import torch
+        self._writer.wait()                         # one snapshot in flight at a time
+        stable: set[int] = set()
+        for name, obj in state.items():
+            kind, sd = payload["state"][name]
+            if kind != "sd":
+                continue
+            if isinstance(obj, torch.optim.Optimizer):        # changed only by the optimizer step
+                stable.update(local_ptr(t) for t in tensors_in(sd))
+            elif isinstance(obj, torch.nn.Module):
+                stable.update(local_ptr(p) for p in obj.parameters())
+        offload = self._offloaded
         try:
-            staged = io.plan(step, payload, stable, self.enable_offload)
+            staged = io.plan(step, payload, stable, offload)
         except UnsupportedStateError as exc:
             raise saved_where(exc, payload) from None
         on_device = any(getattr(src, "is_cuda", False) for src, _ref, _deferred in staged.tensors)
-        d = self._ensure_dir()
-        path = os.path.join(d, f"slot{step % 2}")
+        if offload and not self._staging_decided:
+            self._staging_decided = True
+            if _room_for_staging(staged):
+                self._staging = copying.DeviceStaging()
+        path = self._next_slot()
+        self._sealed.pop(path, None)                # rewritten from here on
+        self._slot_steps.pop(path, None)
+        self._staged_step = None                    # the staging buffers are about to be overwritten
         slot = self._files.setdefault(path, io.SlotFile(path))
         view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
-        copying.copy_now(view, staged, self._streams, self._staging)
+        copying.copy_now(view, staged, self._streams, self._staging if offload else None)
 
         session = self._session
         generation = getattr(self._caller, "iteration", 0)
@@ -290,21 +365,43 @@ class CheckpointManager:
             log.info("snapshot of step %d dropped: a restart was requested before it was complete", step)
             self._inflight = None
             return False
+        staging_used = bool(staged.staged_events)
+        if offload and self.enable_offload is False and staging_used:
+            for event in staged.staged_events.values():   # enable_offload=False: return once captured
+                event.synchronize()
+        host_s = time.perf_counter() - began
+        self._waited = 0.0
 
         def sealed() -> None:
             self._inflight = None
             io.seal(view, staged)
             self.last_saved = step
-            self._live = live
+            self._sealed[path] = step
+            self._slot_steps[path] = step
+            if staging_used:
+                self._staged_step = step
+            if self._budgeted:
+                self._budget.snapshot_cost(host_s + self._waited + copying.staging_seconds(staged))
+                self._budget.in_flight(self._since_snapshot)
+                self._report_interval()
             if self._peers is not None:
                 self._peers.send(step, path)
             if self.fallback_dir and self.fallback_every and step % self.fallback_every == 0:
                 self._write_fallback(step, path)
-        if self.enable_offload:
+        if offload:
             self._install_step_barrier()
             self._writer.start(copied, sealed)
         elif copied():
             sealed()
+
+    def _report_interval(self) -> None:
+        interval, bound = self._budget.interval, self._budget.retrain_bound
+        if (interval, bound) != getattr(self, "_reported", None):
+            self._reported = (interval, bound)
+            log.info("rank %d: snapshots every %d step(s) (a snapshot costs %.1f ms, a step %.1f ms, budget %.1f %%); "
+                     "every save() certifies the live state; a SIGKILL without a live replica retrains at most %d "
+                     "step(s)", self.rank, interval, 1e3 * (self._budget.snapshot_s or 0),
+                     1e3 * (self._budget.step_s or 0), 100 * (self.max_overhead or 0), bound)
 
     def _judge_inflight(self) -> None:
         """Called when an abort begins (before it touches a communicator): whether the snapshot still being
@@ -312,6 +409,10 @@ class CheckpointManager:
         inflight = self._inflight
         if inflight is not None and "final" not in inflight[1]:
             inflight[1]["final"] = copying.data_final(inflight[0])
+        live = self._live
+        if live is not None and getattr(self, "_live_generation", 0) >= getattr(self._caller, "iteration", 0) \
+                and not live.final():
+            self._live = None      # its values were still being computed: whatever the abort left is no step
 
     def _install_step_barrier(self) -> None:
         """The optimizer step changes what an offloaded snapshot copies: it waits for the copy first (not for
@@ -324,13 +425,20 @@ class CheckpointManager:
         """Without staging: wait until the copy in flight is done. With it: wait for the host tensors' copy
         only, and make the device's compute stream wait (on the device, the host runs on) for the staging
         copies; the device->host copy goes on behind the step."""
+        import torch
+        live = self._live
+        if live is not None:        # the fingerprint reads the values first (on the device, the host runs on)
+            for device in list(live.print.events):
+                live.wait_on(device)
         inflight = self._inflight
+        began = time.perf_counter()
         if self._staging is None or inflight is None or not inflight[0].staged_events:
             self._writer.wait_copied()
+            self._waited += time.perf_counter() - began
             return
-        import torch
         staged = inflight[0]
         staged.host_copied.wait()
+        self._waited += time.perf_counter() - began
         for device, event in list(staged.staged_events.items()):
             torch.cuda.current_stream(device).wait_event(event)
 
@@ -379,17 +487,24 @@ class CheckpointManager:
             mark[0] = now
         if getattr(self._caller, "world_size_changed", False):
             return self._restore_resized(state)
-        # a survivor whose objects are still at its newest save need not read that slot (nor sum it)
+        self._budget.restarted()
+        # a survivor whose objects still hold the values of its last save() call keeps them (live_state.py)
         live = self._live.payload_for(self._live.step, state) if self._live is not None else None
-        trusted = {os.path.join(self._ensure_dir(), f"slot{self._live.step % 2}"): self._live.step} \
-            if self._live is not None and live is not None else {}
+        live_step = self._live.step if self._live is not None and live is not None else None
+        # the slots this process sealed itself, in the 0700 directory it made and holds: their checksum was
+        # summed as they were written, and only this uid (which could as well write into this process) can
+        # have changed them since - they are read without summing them again
+        trusted = {path: step for path, step in self._sealed.items() if os.path.dirname(path) == self.slot_dir()}
         unverified: set[str] = set()
         shm = find_snapshots(self._ensure_dir(), trusted, unverified)
+        self._slot_steps = {path: found for found, path in shm.items()}
         disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
+        at = getattr(self._session, "step", None)
         mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
                            "copies": {src: sorted(steps) for src, steps in copies.items()},
-                           "never_committed": self._first_iteration == 0 and self.last_saved is None}
+                           "never_committed": self._first_iteration == 0 and self.last_saved is None,
+                           "live": live_step, "at": at if isinstance(at, int) else None}
         phase("find")
         plan = plan_restore(gather(mine), lambda world: self._groups(state, world))
         phase("plan")
@@ -409,7 +524,7 @@ class CheckpointManager:
             return bytes(map_private(shm[step] if kind == "replica" else copies[receiver][step]))
 
         def live_for(receiver: int, kind: str) -> Optional[dict]:   # my objects, still at `step` (live_state.py)
-            ok = kind == "replica" and live is not None and self._live is not None and self._live.step == step
+            ok = kind == "replica" and live is not None and live_step == step
             return self._snapshot_of_live(live) if ok and live is not None else None
         data: Any = None
         streamed: Optional[dict] = None
@@ -425,7 +540,7 @@ class CheckpointManager:
                     data = bytearray(got.blob)
                     self._keep(step, got.blob)
         phase("transfer")
-        if live is not None and self._live is not None and self._live.step == step and step in shm:
+        if live is not None and live_step == step:
             self._load_live(live, state)
             self.restored_from = "live"
         elif streamed is not None:
@@ -437,14 +552,17 @@ class CheckpointManager:
             self._load(streamed, state, non_blocking=True)
             streamed = None
             self.restored_from = "replica"
-            self.save(step, state)
+            self._save(step, state, force=True)
         else:
             self._live = None
             source = "replica" if data is not None else ("shm" if step in shm else "disk")
             path = shm.get(step) or disk[step] if data is None else ""
-            # our own slot or fallback file was checked by find_snapshots just now (unless trusted or unverified)
-            verified = data is None and path not in trusted and path not in unverified
-            slot = DeviceReadable(path, pin=_has_cuda_tensors(state)) if data is None else None
+            own = self._files.get(path) if data is None and trusted.get(path) == step else None
+            # our own slot or fallback file was checked by find_snapshots just now (unless unverified); a slot
+            # this process sealed is read through the mapping its saves write (registered with CUDA: DMA)
+            verified = data is None and path not in unverified
+            slot = DeviceReadable(path, pin=_has_cuda_tensors(state), mapped=own.mapping if own else None) \
+                if data is None else None
             try:
                 try:
                     _, payload = io.decode(slot.map if slot is not None else data, f"snapshot of step {step}",
@@ -480,8 +598,9 @@ class CheckpointManager:
         prev = getattr(self._caller, "previous_world_size", None)
         self._live = None
         shm = find_snapshots(self._ensure_dir())
+        self._slot_steps = {path: found for found, path in shm.items()}
         everyone = gather({"shm": sorted(shm), "disk": [], "latest": self.last_saved, "copies": {},
-                           "never_committed": False})
+                           "never_committed": False, "live": None, "at": None})
         steps = set().union(*(set(e["shm"]) for e in everyone))
         if not steps:
             return None
@@ -511,9 +630,9 @@ class CheckpointManager:
             raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of the state at step {step}") from exc
         self._load(payload, state)
         for other in [s for s in shm if s != step]:   # the old world's snapshots must not be restored later
-            self._drop_slot(os.path.join(self._ensure_dir(), f"slot{other % 2}"))
+            self._drop_slot(shm[other])
         self.last_saved = None
-        self.save(step, state)       # this rank's snapshot at the new world size (its own slot again)
+        self._save(step, state, force=True)   # this rank's snapshot at the new world size (its own slot again)
         self.wait()
         latest = max((e["latest"] for e in everyone if e["latest"] is not None), default=step)
         if self._session is not None and self.rank == 0:
@@ -524,7 +643,16 @@ class CheckpointManager:
         log.info("restored step %d at world size %d (was %s)", step, world, prev)
         return step
 
+    def _next_slot(self) -> str:
+        """The slot the next snapshot goes to: the one not holding the newest snapshot known (with snapshots
+        every k steps, alternating by the step's parity would overwrite the newest one when k is even)."""
+        d = self._ensure_dir()
+        paths = [os.path.join(d, "slot0"), os.path.join(d, "slot1")]
+        return min(paths, key=lambda p: self._slot_steps.get(p, -1))
+
     def _drop_slot(self, path: str) -> None:
+        self._sealed.pop(path, None)
+        self._slot_steps.pop(path, None)
         stale = self._files.pop(path, None)
         if stale is not None:
             stale.close()
@@ -535,11 +663,13 @@ class CheckpointManager:
 
     def _keep(self, step: int, blob: bytes) -> None:
         """Store a snapshot received from a peer as this rank's own slot, so it is held in memory again."""
-        path = os.path.join(self._ensure_dir(), f"slot{step % 2}")
+        path = self._next_slot()
+        self._sealed.pop(path, None)
         stale = self._files.pop(path, None)
         if stale is not None:
             stale.close()
         io.write_atomic(path, blob)
+        self._slot_steps[path] = step
 
     def _load(self, payload: Mapping[str, Any], state: Mapping[str, Any], non_blocking: bool = False) -> None:
         """Put a decoded snapshot into `state`; non_blocking: its tensors are views of a pinned mapping, device
@@ -608,6 +738,31 @@ def _has_cuda_tensors(state: Mapping[str, Any]) -> bool:
         for t in tensors:
             return bool(getattr(t, "is_cuda", False))
     return False
+
+
+def _room_for_staging(staged: io.Staged) -> bool:
+    """Whether every device holding deferred tensors of `staged` has room for a copy of them: free to the
+    driver plus cached but unused by torch, less a tenth of the device for the training's own peaks."""
+    import torch
+    need: dict[Any, int] = {}
+    for src, ref, deferred in staged.tensors:
+        if deferred and getattr(src, "is_cuda", False):
+            need[src.device] = need.get(src.device, 0) + ref.nbytes
+    if not need:
+        return False
+    for device, nbytes in need.items():
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        except RuntimeError as exc:
+            log.info("no device staging (%s)", exc)
+            return False
+        if free + cached - total // 10 < nbytes:
+            log.info("no device staging on %s: %.1f GiB of state, %.1f GiB free", device, nbytes / 2**30,
+                     (free + cached) / 2**30)
+            return False
+    log.info("snapshots staged on the device (%.1f GiB of device buffers)", sum(need.values()) / 2**30)
+    return True
 
 
 def _weakrefable(obj: Any) -> bool:

@@ -6,25 +6,29 @@ step after it (an exception in forward or backward, a peer's death, a hang) leav
 the state back from host memory then only costs time (1.1 s for a 1 B-parameter model with Adam on a GPU
 host; on the order of the whole restart otherwise).
 
+Every save() call makes one (also a call whose snapshot is coalesced or skipped for the overhead budget:
+checkpoint.py): it certifies "the objects held step N's values", so that after an exception every rank can
+go on from the step of its last save() call, retraining nothing, whether or not that step was ever copied.
+
 When a survivor must restore (and does, from its slot or a peer): the step the job restores is not the one
-this process saved last (a peer had not committed it, or this rank had gone on), an object of the state is
-not the one it saved (built again inside the re-executed function), or any tensor of it changed since the
-save. A change is seen by the tensor's version counter, which every in-place operation on it or on a view
-of it advances (optimizer steps, `copy_`, a buffer updated in forward, DDP's buffer broadcast), and by its
-storage address. Updates through `.data` (`p.data.add_(...)`) bypass the version counter: a script that
-changes parameters that way between a save and the next one needs `CheckpointManager(reuse_live=False)`.
+this process saved last (a peer had not committed it, or this rank had gone on), or any tensor of the state
+holds other values than at the save, or the state's structure changed (another number of tensors, other
+shapes or keys: an optimizer built again has no state yet). Objects are compared by what they hold, not by
+identity: a DDP or FSDP wrapper made again around the same module, DDP's construction broadcast (same values,
+new version counts), a module passed bare at one call and wrapped at the next (same keys only) - all keep.
+The values are compared by fingerprint (hyperpodrun/runtime/fingerprint.py says what it can miss).
 
 What is kept between a save and a restore: the snapshot's non-tensor parts (copied at save time: hyper-
-parameters, scheduler state, plain values, RNG states) and, for each tensor, its fingerprint (storage
-address, offset, shape, dtype, version) - never a reference that would keep GPU memory alive.
+parameters, scheduler state, plain values, RNG states) and the tensors' fingerprint - never a reference that
+would keep GPU memory alive.
 """
 from __future__ import annotations
 
 import collections
 import copy
-import weakref
 from typing import Any, Mapping, Optional
 
+from hyperpodrun.runtime.fingerprint import Fingerprint
 from hyperpodrun.runtime.state_dicts import state_dict_of
 
 
@@ -39,12 +43,6 @@ class _Slot:
 
 def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
-
-
-def _fingerprint(t: Any) -> tuple:
-    local = _local(t)
-    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), str(local.dtype),
-            local._version)
 
 
 def _skeleton(obj: Any, tensors: list) -> Any:
@@ -84,22 +82,22 @@ def _fill(skel: Any, tensors: list) -> Any:
     return copy.deepcopy(skel)
 
 
-def _tensors(obj: Any) -> list:
-    out: list = []
-    _skeleton(obj, out)
-    return out
+def _structure(skel: Any) -> Any:
+    """The shape of a skeleton - keys, lengths, where the tensors are - without its plain values."""
+    if isinstance(skel, _Slot):
+        return "T"
+    if isinstance(skel, dict):
+        return tuple((k, _structure(v)) for k, v in skel.items())
+    if isinstance(skel, (list, tuple)):
+        return ("L",) + tuple(_structure(v) for v in skel)
+    return "V"
 
 
 class _Entry:
-    def __init__(self, kind: str, obj: Any, saved: Any) -> None:
-        tensors: list = []
+    def __init__(self, kind: str, saved: Any, tensors: list) -> None:
         self.kind = kind
         self.skeleton = _skeleton(saved, tensors)
-        self.prints = [_fingerprint(t) for t in tensors]
-        try:
-            self.ref: Optional[weakref.ref] = weakref.ref(obj) if kind == "sd" else None
-        except TypeError:
-            self.ref = None
+        self.structure = _structure(self.skeleton)
         self.all_tensors = not any(True for _ in _non_tensor_leaves(self.skeleton))
 
 
@@ -117,35 +115,47 @@ def _non_tensor_leaves(skel: Any) -> Any:
 
 
 class LiveState:
-    """One save of this process, as far as its objects still hold it (see the module doc).
+    """One save() call of this process, as far as its objects still hold it (see the module doc).
 
-    Made when save() is called - the fingerprints must be those of the values being copied, taken before
-    the next optimizer step can change them - and kept by the CheckpointManager once the snapshot is sealed."""
+    Made when save() is called - the fingerprint must be of the values being saved, taken before the next
+    optimizer step can change them (on a GPU it runs on a side stream; `wait_on` makes the optimizer step
+    wait for it, on the device)."""
 
-    def __init__(self, step: int, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-        """`payload`: the snapshot's payload (entries ("sd", state dict) or ("value", obj), RNG, layouts)."""
+    def __init__(self, step: int, payload: Mapping[str, Any], streams: Any = None) -> None:
+        """`payload`: the save's payload (entries ("sd", state dict) or ("value", obj), RNG, layouts);
+        `streams`: a SideStream for the device fingerprints (None: the current stream)."""
         self.step = step
-        self._entries = {name: _Entry(kind, state[name], saved) for name, (kind, saved) in payload["state"].items()}
+        tensors: list = []
+        self._entries = {name: _Entry(kind, saved, tensors) for name, (kind, saved) in payload["state"].items()}
         self._rest = {k: v for k, v in payload.items() if k != "state"}
+        self.print = Fingerprint(tensors, streams)
+
+    def wait_on(self, device: Any) -> None:
+        self.print.wait_on(device)
+
+    def final(self) -> bool:
+        """Whether the values fingerprinted had all been computed when this is asked (an abort beginning)."""
+        return self.print.final()
 
     def payload_for(self, step: int, state: Mapping[str, Any]) -> Optional[dict]:
         """The payload of `step` made of the objects of `state` themselves, or None when this is another step
-        or some object changed since the save (then the state must be loaded from a copy). Each entry is
-        (kind, state dict or value, whether it holds tensors only)."""
+        or the objects hold other values or another structure than at the save (then the state must be
+        loaded from a copy). Each entry is (kind, state dict or value, whether it holds tensors only)."""
         if self.step != step or set(state) != set(self._entries):
             return None
-        out: dict[str, Any] = {}
-        for name, obj in state.items():
-            entry = self._entries[name]
-            if entry.kind == "sd":
-                if entry.ref is None or entry.ref() is not obj:
-                    return None
-                current = _tensors(state_dict_of(obj))
-            else:
-                current = _tensors(obj)
-            if [_fingerprint(t) for t in current] != entry.prints:
+        everything: list = []          # in the order of the save (the skeletons' tensor indices)
+        for name, entry in self._entries.items():
+            obj = state[name]
+            has_sd = hasattr(obj, "state_dict") and callable(obj.state_dict)
+            if (entry.kind == "sd") != has_sd:
                 return None
-            out[name] = (entry.kind, _fill(entry.skeleton, current), entry.all_tensors)
+            skel = _skeleton(state_dict_of(obj) if has_sd else obj, everything)
+            if _structure(skel) != entry.structure:
+                return None
+        if not self.print.matches(everything):
+            return None
+        out = {name: (entry.kind, _fill(entry.skeleton, everything), entry.all_tensors)
+               for name, entry in self._entries.items()}
         return {**self._rest, "state": out}
 
 

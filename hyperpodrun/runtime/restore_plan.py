@@ -33,6 +33,11 @@ class Inventory(TypedDict):
     #: this process has run since the job's first generation and never sealed (or restored) a snapshot: no
     #: step was ever committed by every rank, so the job's committed state is its start
     never_committed: bool
+    #: the step whose values this rank's objects still hold (its last save() call, certified by fingerprint:
+    #: live_state.py), whether or not a snapshot of it was completed; None: none
+    live: Optional[int]
+    #: the step the fault interrupted here (the last caller.progress() before the restart); None: not known
+    at: Optional[int]
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class RestorePlan:
     pairs: list[tuple[int, int, str]]
     #: where the step comes from, for the report: "replica", "peer", "memory" or "disk"
     source: str
-    #: steps lost: the newest step any rank saved minus the one restored
+    #: steps to train again: the step the fault interrupted (the latest any rank reached) minus the one
+    #: restored, at least 0 (where no rank knows it: the newest step any rank saved minus the one restored)
     lost_steps: int
 
 
@@ -104,16 +110,19 @@ def plan_restore(everyone: Sequence[Inventory],
     anything, or some rank that has run since the job started never completed a snapshot (then no step was
     committed by every rank). `groups_of(world)`: the replica groups (asked only when there is something to restore).
     Raises StateLostError naming the ranks whose state at the newest step survives nowhere."""
-    if not any(e["shm"] or e["disk"] for e in everyone):
+    live = [e.get("live") for e in everyone]
+    if not any(e["shm"] or e["disk"] or v is not None for e, v in zip(everyone, live)):
         return None
+    everyone_live = live[0] is not None and all(v == live[0] for v in live)
     fresh = [r for r, e in enumerate(everyone) if e.get("never_committed")]
-    if fresh:   # a fault during the first snapshot: what the other ranks hold was never committed job-wide
+    if fresh and not everyone_live:   # a fault during the first snapshot: nothing was committed job-wide
         log.warning("rank(s) %s have not completed a snapshot since the job started: no step was committed by "
                     "every rank yet, so training starts again from the beginning", fresh)
         return None
     world = len(everyone)
     groups = groups_of(world)
-    mem = [set(e["shm"]) for e in everyone]
+    # a rank's own objects at a step count as memory that holds it (a replica donor sends its live tensors)
+    mem = [set(e["shm"]) | ({v} if v is not None else set()) for e, v in zip(everyone, live)]
     on_disk = [set(e["disk"]) for e in everyone]
     held = {h: {int(src): set(steps) for src, steps in e["copies"].items()} for h, e in enumerate(everyone)}
 
@@ -133,8 +142,11 @@ def plan_restore(everyone: Sequence[Inventory],
     step = max(from_memory) if from_memory else max(anywhere)
     pairs = replicas.plan_transfers(groups, mem, step, held)
     source = pairs[0][2] if pairs else ("memory" if from_memory else "disk")
+    if all(v == step for v in live):
+        source = "memory"
+    reached = [at for at in (e.get("at") for e in everyone) if at is not None]
     latest = max((e["latest"] for e in everyone if e["latest"] is not None), default=step)
-    return RestorePlan(step, pairs, source, max(0, latest - step))
+    return RestorePlan(step, pairs, source, max(0, (max(reached) if reached else latest) - step))
 
 
 def gather(mine: Inventory) -> list[Inventory]:
@@ -173,11 +185,12 @@ def _inventory(raw: Any, rank: int) -> Inventory:
     if not isinstance(raw, dict) or set(raw) != set(Inventory.__annotations__):
         raise ProtocolError(f"rank {rank} sent a malformed restore inventory: {raw!r:.200}")
     latest, never, copies = raw["latest"], raw["never_committed"], raw["copies"]
-    if (latest is not None and type(latest) is not int) or type(never) is not bool or not isinstance(copies, dict):
+    if (latest is not None and type(latest) is not int) or type(never) is not bool or not isinstance(copies, dict) \
+            or any(raw[k] is not None and type(raw[k]) is not int for k in ("live", "at")):
         raise ProtocolError(f"rank {rank} sent a malformed restore inventory: {raw!r:.200}")
     try:
         held = {int(src): steps(v) for src, v in copies.items()}   # JSON made the rank numbers strings
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"rank {rank} sent a restore inventory with malformed copies: {copies!r:.200}") from exc
     return {"shm": steps(raw["shm"]), "disk": steps(raw["disk"]), "latest": latest, "copies": held,
-            "never_committed": never}
+            "never_committed": never, "live": raw["live"], "at": raw["at"]}

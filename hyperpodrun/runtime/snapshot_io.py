@@ -73,6 +73,8 @@ class Staged:
     to_host: list[tuple[int, Any, Any, TensorRef]] = field(default_factory=list)
     #: set once the deferred host tensors are in the slot (finish_copies)
     host_copied: threading.Event = field(default_factory=threading.Event)
+    #: per device, (start, end) events around the staging copy: its device time counts against the budget
+    staging_timing: dict[Any, tuple[Any, Any]] = field(default_factory=dict)
     copied: int = 0                        # tensors[:copied] are in the slot (a prefix: see _copied)
     done: set[int] = field(default_factory=set)
 
@@ -142,6 +144,11 @@ class SlotFile:
     @property
     def pinned(self) -> bool:
         return self._registered is not None
+
+    @property
+    def mapping(self) -> Optional[tuple[mmap.mmap, bool]]:
+        """(the mapping, whether it is registered with CUDA) while the file is mapped, else None."""
+        return (self._map, self._registered is not None) if self._map is not None else None
 
 
 def aligned(n: int) -> int:
@@ -278,6 +285,10 @@ class SlotWriter:
 
     def wait_copied(self) -> None:
         self._copied.wait()
+
+    def busy(self) -> bool:
+        """Whether a snapshot is still being completed (copied, summed or sealed)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         if self._thread is not None:

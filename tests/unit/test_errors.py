@@ -116,8 +116,9 @@ def test_worker_api_argument_errors() -> None:
         HPWrapper(abort_timeout=0)
     with pytest.raises(errors.ApiValueError, match=r"fallback_every=0"):
         CheckpointManager(fallback_dir="/tmp/x", fallback_every=0)
-    with pytest.raises(errors.ApiValueError, match=r"stage_on_device=True.*enable_offload=True"):
-        CheckpointManager(stage_on_device=True)
+    for bad in (0, 1.5, -0.1, True, "2%"):
+        with pytest.raises(errors.ApiValueError, match=r"max_overhead=.*between 0 and 1"):
+            CheckpointManager(max_overhead=bad)   # type: ignore[arg-type]
     with pytest.raises(errors.ApiTypeError, match="state must be a dict"):
         CheckpointManager().save(1, [1, 2])
     assert errors.CacheFullError("full").errno == 28 and errors.StateLostError.exit_code == errors.EXIT_STATE_LOST

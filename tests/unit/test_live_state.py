@@ -1,5 +1,6 @@
-"""When a survivor may keep its own state (hyperpodrun/runtime/live_state.py): only while nothing of it
-changed since the save - every way torch changes a model or an optimizer must be seen."""
+"""When a survivor may keep its own state (hyperpodrun/runtime/live_state.py): only while its values are those of
+the save - every way torch changes a model or an optimizer must be seen, `.data` included - whatever object
+holds them (a wrapper made again keeps)."""
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,7 @@ def train_step(model, opt, sched=None):
 def snapshot(step, state) -> LiveState:
     payload = {"state": {k: (("sd", v.state_dict()) if hasattr(v, "state_dict") else ("value", v))
                          for k, v in state.items()}, "rng": rng_state()}
-    return LiveState(step, payload, state)
+    return LiveState(step, payload)
 
 
 @pytest.mark.parametrize("opt_kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}],
@@ -58,12 +59,65 @@ def test_other_steps_objects_and_in_place_changes_are_seen():
     live = snapshot(1, state)
     assert live.payload_for(2, state) is None                       # the job restores another step
     with torch.no_grad():
-        model[0].weight.mul_(1.0)                                    # an in-place change, even a no-op one
+        model[0].weight.mul_(1.0)                                    # an in-place no-op: same values, kept
+    assert live.payload_for(1, state) is not None
+    with torch.no_grad():
+        model[0].weight[3, 4] += 1e-3                                # one element, in place
     assert live.payload_for(1, state) is None
     other = snapshot(1, state)
     rebuilt = dict(state, model=nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)))
-    assert other.payload_for(1, rebuilt) is None                    # built again: not the saved object
+    assert other.payload_for(1, rebuilt) is None                    # built again: other values
     assert other.payload_for(1, {k: v for k, v in state.items() if k != "epoch"}) is None
+
+
+@pytest.mark.parametrize("change", ["add", "element", "copy", "zero"])
+def test_a_change_through_data_is_seen(change):
+    """`.data` bypasses the version counter; the values are compared, so it is seen all the same."""
+    model, opt, sched, state = setup()
+    train_step(model, opt, sched)
+    live = snapshot(1, state)
+    w = model[1].weight
+    if change == "add":
+        w.data.add_(1e-6)
+    elif change == "element":
+        w.data[0, 5] = w.data[0, 5] * 1.001
+    elif change == "copy":
+        w.data.copy_(torch.randn_like(w))
+    else:
+        opt.state[w]["exp_avg"].data.zero_()                          # the optimizer's state too
+    assert live.payload_for(1, state) is None
+
+
+def test_a_wrapper_made_again_around_the_same_module_keeps():
+    """The README's wrapping: the module and optimizer built once, DDP made again in each generation around
+    the same module (its construction broadcast writes every parameter in place, same values): kept."""
+    import datetime
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        model, opt, sched, _ = setup()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        state = {"model": ddp, "opt": opt}
+        train_step(ddp, opt)
+        live = snapshot(1, state)
+        versions = [p._version for p in model.parameters()]
+        again = nn.parallel.DistributedDataParallel(model)           # the next generation's wrapper
+        assert again is not ddp
+        payload = live.payload_for(1, {"model": again, "opt": opt})
+        assert payload is not None, [p._version for p in model.parameters()] + versions
+        assert live.payload_for(1, {"model": model, "opt": opt}) is None   # bare now: other keys
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_order_of_the_state_dict_does_not_matter():
+    model, opt, sched, state = setup()
+    train_step(model, opt, sched)
+    live = snapshot(1, state)
+    payload = live.payload_for(1, dict(reversed(list(state.items()))))
+    assert payload is not None and payload["state"]["model"][1]["0.weight"].data_ptr() == model[0].weight.data_ptr()
 
 
 def test_a_buffer_updated_in_forward_is_seen():

@@ -11,9 +11,10 @@ from hyperpodrun.runtime.restore_plan import Inventory, plan_restore
 
 
 def inv(shm: tuple[int, ...] = (), disk: tuple[int, ...] = (), latest: Optional[int] = None,
-        copies: Optional[dict[int, list[int]]] = None, never_committed: bool = False) -> Inventory:
+        copies: Optional[dict[int, list[int]]] = None, never_committed: bool = False, live: Optional[int] = None,
+        at: Optional[int] = None) -> Inventory:
     return {"shm": list(shm), "disk": list(disk), "latest": latest, "copies": copies or {},
-            "never_committed": never_committed}
+            "never_committed": never_committed, "live": live, "at": at}
 
 
 def singletons(world: int) -> list[list[int]]:
@@ -70,6 +71,48 @@ def test_a_replaced_rank_without_state_is_still_a_loss() -> None:
         plan_restore([inv((9,), latest=9), inv(never_committed=False)], singletons)
 
 
+def test_every_rank_live_at_an_unsnapshotted_step_restores_it_retraining_nothing() -> None:
+    """An exception: every rank's objects still hold the values of its last save() call (step 7), whose
+    snapshot was skipped for the overhead budget (the newest sealed is 4): step 7, from the ranks' own objects."""
+    plan = plan_restore([inv((4,), latest=4, live=7, at=7), inv((4,), latest=4, live=7, at=7)], singletons)
+    assert plan is not None and (plan.step, plan.pairs, plan.source, plan.lost_steps) == (7, [], "memory", 0)
+
+
+def test_a_killed_rank_without_replica_takes_everyone_back_to_the_newest_snapshot() -> None:
+    """Rank 1 was SIGKILLed in step 8 (its replacement holds its slots, 4 newest): survivors live at 8 cannot
+    lend it step 8 (no replica), so everyone goes back to 4 - 4 steps to train again, said as such."""
+    everyone = [inv((2, 4), latest=4, live=8, at=8), inv((2, 4))]
+    plan = plan_restore(everyone, singletons)
+    assert plan is not None and (plan.step, plan.pairs, plan.lost_steps) == (4, [], 4)
+
+
+def test_a_killed_rank_gets_the_unsnapshotted_step_from_a_live_replica() -> None:
+    """The same with a DDP replica: the survivor's live objects at step 8 are sent to the replacement; nothing
+    is trained again."""
+    everyone = [inv((2, 4), latest=4, live=8, at=8), inv((2, 4))]
+    plan = plan_restore(everyone, lambda world: [[0, 1]])
+    assert plan is not None and (plan.step, plan.pairs, plan.source, plan.lost_steps) == \
+        (8, [(0, 1, "replica")], "replica", 0)
+
+
+def test_lost_steps_are_the_steps_trained_again() -> None:
+    """The fault came in step 6 (the last progress), step 5 is restored: one step to train again - however
+    new the newest slot any rank saved."""
+    plan = plan_restore([inv((3, 5), latest=5, at=6), inv((3, 5), latest=5, at=5)], singletons)
+    assert plan is not None and (plan.step, plan.lost_steps) == (5, 1)
+    plan = plan_restore([inv((3, 5), latest=5, at=5), inv((3, 5), latest=5, at=5)], singletons)
+    assert plan is not None and (plan.step, plan.lost_steps) == (5, 0)
+
+
+def test_a_first_fault_before_any_snapshot_keeps_live_objects_when_every_rank_has_them() -> None:
+    """No rank has completed its first snapshot, but every rank's objects hold step 1 (an exception): step 1."""
+    everyone = [inv(never_committed=True, live=1, at=1), inv(never_committed=True, live=1, at=1)]
+    plan = plan_restore(everyone, singletons)
+    assert plan is not None and plan.step == 1
+    everyone[1]["live"] = None        # one was SIGKILLed: nothing was committed job-wide - a fresh start
+    assert plan_restore(everyone, singletons) is None
+
+
 def test_inventories_travel_as_json_and_come_back_typed():
     """gather() sends each rank's inventory as JSON bytes over the default group (never pickled): on a real
     one-rank gloo group it comes back equal, the peer-copy rank numbers ints again."""
@@ -78,7 +121,8 @@ def test_inventories_travel_as_json_and_come_back_typed():
     import torch.distributed as dist
 
     from hyperpodrun.runtime.restore_plan import gather
-    mine = {"shm": [4, 6], "disk": [], "latest": 6, "copies": {2: [6], 11: [4, 6]}, "never_committed": False}
+    mine = {"shm": [4, 6], "disk": [], "latest": 6, "copies": {2: [6], 11: [4, 6]}, "never_committed": False,
+            "live": 9, "at": 9}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     try:
@@ -89,9 +133,16 @@ def test_inventories_travel_as_json_and_come_back_typed():
 
 @pytest.mark.parametrize("raw, needle", [
     ({"shm": [1], "disk": [], "latest": None, "copies": {}}, "malformed restore inventory"),
-    ({"shm": ["1"], "disk": [], "latest": None, "copies": {}, "never_committed": False}, "malformed step list"),
-    ({"shm": [], "disk": [], "latest": "7", "copies": {}, "never_committed": False}, "malformed restore inventory"),
-    ({"shm": [], "disk": [], "latest": 1, "copies": {"x": [1]}, "never_committed": False}, "malformed copies"),
+    ({"shm": ["1"], "disk": [], "latest": None, "copies": {}, "never_committed": False, "live": None, "at": None},
+     "malformed step list"),
+    ({"shm": [], "disk": [], "latest": "7", "copies": {}, "never_committed": False, "live": None, "at": None},
+     "malformed restore inventory"),
+    ({"shm": [], "disk": [], "latest": 1, "copies": {"x": [1]}, "never_committed": False, "live": None,
+      "at": None}, "malformed copies"),
+    ({"shm": [], "disk": [], "latest": 1, "copies": {}, "never_committed": False, "live": "3", "at": None},
+     "malformed restore inventory"),
+    ({"shm": [], "disk": [], "latest": 1, "copies": {}, "never_committed": False, "live": None, "at": 2.5},
+     "malformed restore inventory"),
     ([1, 2], "malformed restore inventory"),
 ])
 def test_a_malformed_inventory_names_the_rank_that_sent_it(raw, needle):

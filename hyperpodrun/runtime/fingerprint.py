@@ -1,0 +1,117 @@
+"""Value fingerprints of a rank's state tensors: is the live state still the one a save() saw?
+
+Why values, not identity: a survivor keeps its model and optimizer objects across an in-process restart, but
+what wraps them is often made again (DDP or FSDP built inside the re-executed function, before or after
+`restore()`), DDP's construction broadcast writes every parameter in place (the same values, a new version
+count), and updates through `.data` change values without any version count seeing it. Whether a survivor may
+keep its state without copying anything back is a question about the values, so that is what is compared.
+
+How: at save() the L2 norm of every floating-point tensor is computed on its own device, accumulated in
+float64, in fused multi-tensor kernels (`torch._foreach_norm`: a few launches for a thousand tensors, one read
+of the state, on a side stream behind the training); tensors of other dtypes (integer counters, masks: small in
+practice) are kept as a copy and compared exactly. restore() computes the same on the tensors the objects hold
+now and compares bit for bit - the same kernels over the same tensor list give the same bits; a difference
+only ever costs a copy back, never a wrong keep.
+
+What it catches: every change made by training arithmetic, an optimizer step (even one cut short), `copy_`,
+`fill_`, `zero_`, a scaled or shifted tensor, and a change of a single element: the float64 sum of squares
+moves by 2*x*d for a change d of an element x, which shows unless it is below the sum's rounding (about 1e-16
+of it): for a 100 M-element tensor of unit-scale values, any change of one element larger than about 1e-8.
+What it misses: a change that leaves every tensor's sum of squares the same - a permutation of elements,
+flipped signs. Training arithmetic does not do that by accident; a script that does such things to its state
+between a save and a restore should pass `CheckpointManager(reuse_live=False)`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+#: dtypes fingerprinted by norms (float64 too); the others are kept as a copy
+_NORMED = ("float16", "bfloat16", "float32")
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+class Fingerprint:
+    """Fingerprints of an ordered list of tensors (computed at construction, possibly still running on a side
+    stream: `event` per device says when). Holds small result tensors only, never a reference to the state."""
+
+    def __init__(self, tensors: Sequence[Any], streams: Any = None) -> None:
+        """`streams`: a SideStream to compute device tensors' fingerprints on (after the current stream's work
+        so far); None: on the current stream."""
+        import torch
+        self.layout = [(tuple(_local(t).shape), _local(t).dtype, _local(t).device) for t in tensors]
+        self.events: dict[Any, Any] = {}        # device -> event recorded after its fingerprint kernels
+        self.source_events: dict[Any, Any] = {}  # device -> event the fingerprint kernels waited for
+        groups: dict[tuple, list[Any]] = {}
+        for t in tensors:
+            local = _local(t).detach()
+            groups.setdefault((local.device, str(local.dtype).removeprefix("torch.")), []).append(local)
+        self.values: list[Any] = []
+        for (device, dtype), ts in groups.items():
+            if device.type == "cuda" and streams is not None:
+                stream = streams.get(device)
+                source = torch.cuda.Event()
+                source.record(torch.cuda.current_stream(device))
+                self.source_events[device] = source
+                stream.wait_event(source)
+                with torch.cuda.stream(stream):
+                    self.values.append(_group_print(ts, dtype))
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    self.events[device] = event
+            else:
+                self.values.append(_group_print(ts, dtype))
+
+    def wait_on(self, device: Any) -> None:
+        """Make `device`'s current stream wait (on the device) until the fingerprint read its tensors: the
+        optimizer step must not change them before."""
+        import torch
+        event = self.events.get(device)
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def final(self) -> bool:
+        """Whether everything the fingerprint read had been computed when it was asked (see data_final in
+        snapshot_copy): a fingerprint of work an abort then cut holds nothing certain."""
+        try:
+            return all(bool(e.query()) for e in self.source_events.values())
+        except Exception:
+            return False
+
+    def matches(self, tensors: Sequence[Any]) -> bool:
+        """Whether `tensors` (in the same order) hold the values fingerprinted."""
+        import torch
+        layout = [(tuple(_local(t).shape), _local(t).dtype, _local(t).device) for t in tensors]
+        if layout != self.layout:
+            return False
+        for event in self.events.values():
+            event.synchronize()
+        now = Fingerprint(tensors)
+        if len(now.values) != len(self.values):
+            return False
+        for a, b in zip(self.values, now.values):
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.to(a.device)):
+                return False
+        return True
+
+
+def _group_print(ts: list[Any], dtype: str) -> Any:
+    """One tensor holding the fingerprint of same-device, same-dtype tensors `ts` (in order)."""
+    import torch
+    if dtype in _NORMED:
+        return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64))
+    if dtype == "float64":
+        return torch.stack(torch._foreach_norm(ts, 2))
+    # integer, bool, float8, complex...: an exact copy of the bytes (such state is small: counters, masks)
+    flat = [t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8) for t in ts]
+    return torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+
+
+def fingerprint(tensors: Sequence[Any], streams: Optional[Any] = None) -> Fingerprint:
+    """The fingerprint of `tensors` (see Fingerprint)."""
+    return Fingerprint(tensors, streams)
+
+
+__all__ = ["Fingerprint", "fingerprint"]

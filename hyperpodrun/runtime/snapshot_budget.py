@@ -1,0 +1,92 @@
+"""How often a GPU state is snapshotted when save() is called after every step: an overhead budget.
+
+Why: the product note, the README and the Lightning and Hugging Face callbacks call `save()` after every
+optimizer step. Copying a 6.4 GB state takes the host ~5-7 ms of Python and launches and the device a
+staging copy, and its device->host copy (PCIe, ~55 GB/s) takes longer than a 0.09 s step: a snapshot every
+step costs 10-100 % of the step. Every save() call still certifies the live state (a fingerprint: live_state.py)
+- an exception, a hang or a peer's death retrains nothing - but the copy that survives the process's own
+death (SIGKILL, a lost GPU) is taken only every `interval` calls, with `interval` the smallest that keeps the
+measured cost within `max_overhead` of the measured step:
+
+    interval = ceil((snapshot cost - call cost) / (max_overhead * step - call cost))
+
+snapshot cost: the host time of a save() that snapshots plus the time the next optimizer step waited for its
+copy, plus the device time of its staging copy; call cost: the host time of a save() that only certifies; step:
+the time between save() calls. All are running means of what this process measured, so the interval follows
+the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one is due is
+not waited for: that call only certifies (coalesced).
+
+What it bounds: a SIGKILL of a rank that has no surviving replica retrains at most `interval` + the steps a
+snapshot is in flight (`retrain_bound`); with a live replica (DDP, HSDP's replicate dimension, optimizer
+instances) the replacement gets the replica's live tensors and retrains nothing.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+#: the interval never grows past this many steps, whatever the measured costs say
+MAX_INTERVAL = 64
+_ALPHA = 0.3   # weight of a new measurement in the running means
+
+
+class OverheadBudget:
+    """Running means of what snapshots cost and the interval they imply (see the module doc)."""
+
+    def __init__(self, max_overhead: Optional[float]) -> None:
+        self.max_overhead = max_overhead
+        self.step_s: Optional[float] = None       # time between save() calls
+        self.call_s: Optional[float] = None       # host time of a save() that only certifies
+        self.snapshot_s: Optional[float] = None   # host + waited + staging time of a snapshot
+        self.in_flight_steps = 0                  # the most save() calls a snapshot was seen in flight
+        self.interval = 1
+        self._last_call: Optional[float] = None
+
+    def call_started(self) -> float:
+        """A save() call begins: the time since the previous one is a step (restarts reset it)."""
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self.step_s = _mean(self.step_s, now - self._last_call)
+        self._last_call = now
+        return now
+
+    def restarted(self) -> None:
+        """The wrapped function runs again: the time until the next save() is no step."""
+        self._last_call = None
+
+    def certified(self, host_s: float) -> None:
+        self.call_s = _mean(self.call_s, host_s)
+
+    def snapshot_cost(self, seconds: float) -> None:
+        """What one snapshot cost the step: its save()'s host time, the optimizer step's wait for its copy,
+        its staging copy on the device."""
+        self.snapshot_s = _mean(self.snapshot_s, seconds)
+        self._update()
+
+    def in_flight(self, calls: int) -> None:
+        """A snapshot was sealed `calls` save() calls after its own."""
+        self.in_flight_steps = max(self.in_flight_steps, calls)
+
+    def _update(self) -> None:
+        if self.max_overhead is None or self.step_s is None or self.snapshot_s is None:
+            return
+        base = self.call_s or 0.0
+        room = self.max_overhead * self.step_s - base
+        extra = max(0.0, self.snapshot_s - base)
+        if room <= 0:
+            self.interval = MAX_INTERVAL
+        else:
+            self.interval = max(1, min(MAX_INTERVAL, math.ceil(extra / room)))
+
+    @property
+    def retrain_bound(self) -> int:
+        """The most steps a SIGKILL without a surviving replica retrains, as measured so far."""
+        return self.interval + self.in_flight_steps
+
+
+def _mean(old: Optional[float], new: float) -> float:
+    return new if old is None else (1 - _ALPHA) * old + _ALPHA * new
+
+
+__all__ = ["OverheadBudget", "MAX_INTERVAL"]
