@@ -138,7 +138,7 @@ class InProcess:
         elif isinstance(msg, P.Restored):
             where = "at the new world size" if msg.source == "resized" else f"from {msg.source}"
             self.events.emit("state_restored", f"state restored at step {msg.step} {where} "
-                             f"({msg.lost_steps} step(s) lost to the fault)", generation=msg.generation,
+                             f"({msg.lost_steps} step(s) to train again)", generation=msg.generation,
                              step=msg.step, lost_steps=msg.lost_steps, source=msg.source)
         elif isinstance(msg, P.Done):
             st.done_gen = max(st.done_gen, msg.generation)

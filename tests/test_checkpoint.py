@@ -154,15 +154,28 @@ def test_corrupt_snapshot_is_detected_and_never_used(tmp_path, monkeypatch):
     with torch.no_grad():
         model.weight.add_(1.0)
     cm.save(2, {"model": model, "opt": opt})
-    slot = os.path.join(cm.slot_dir(), "slot0")   # step 2 lives in slot 0
+    from hyperpodrun.runtime import snapshot_io
+    slot = next(p for p in (os.path.join(cm.slot_dir(), f"slot{i}") for i in (0, 1))
+                if snapshot_io.header(open(p, "rb").read(), p)[0] == 2)
     data = bytearray(open(slot, "rb").read())
     data[-10] ^= 0xFF                             # flip one byte of the payload
     open(slot, "wb").write(bytes(data))
+    # a new process (a replacement) knows nothing of these slots: it checks them, skips step 2, restores step 1
     fresh = torch.nn.Linear(4, 4)
-    step = cm.restore({"model": fresh, "opt": torch.optim.SGD(fresh.parameters(), lr=0.1)})
+    step = CheckpointManager(shm_dir=str(tmp_path)).restore(
+        {"model": fresh, "opt": torch.optim.SGD(fresh.parameters(), lr=0.1)})
     assert step == 1
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, saved_at_1[k])
+    # this process still holds step 2's tensors (unchanged since): objects built again get them from there -
+    # and never from the slot, which was written after it was sealed (so it is checked, and skipped)
+    again = torch.nn.Linear(4, 4)
+    assert cm.restore({"model": again, "opt": torch.optim.SGD(again.parameters(), lr=0.1)}) == 2
+    assert cm.restored_from == "live" and torch.equal(again.weight, model.weight)
+    model.weight.data.add_(1.0)                   # and once those change too, step 1 from its slot
+    again = torch.nn.Linear(4, 4)
+    assert cm.restore({"model": again, "opt": torch.optim.SGD(again.parameters(), lr=0.1)}) == 1
+    assert cm.restored_from == "shm" and torch.equal(again.weight, saved_at_1["weight"])
 
 
 @pytest.mark.slow
@@ -275,11 +288,12 @@ def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, ref
     restored = [e for e in events(tmp_path, "replica") if e["event"] == "state_restored"]
     assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4
     assert_same(reference("ddp"), out)
-    # the survivors build their DDP modules again in the re-executed function: no donor has live objects at
-    # step 4, so the donor sends its slot's bytes
+    # the survivors build their DDP modules again in the re-executed function, but their managers still hold
+    # the previous generation's tensors at step 4: the new objects get them on the device (nothing read from a
+    # slot), and the donor sends them as they are
     how, via = restores(out), vias(out)
-    assert how[2][1] == "replica" and via[2][1] == "slot", f"{how} {via}"
-    assert all(how[r][1] == "shm" and via[r][1] == "None" for r in (0, 1, 3)), f"{how} {via}"
+    assert how[2][1] == "replica" and via[2][1] == "live", f"{how} {via}"
+    assert all(how[r][1] == "live" and via[r][1] == "None" for r in (0, 1, 3)), f"{how} {via}"
 
 
 @pytest.mark.slow

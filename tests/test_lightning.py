@@ -96,6 +96,27 @@ def test_lightning_run_recovers_bitwise_exact(tmp_path, reference, accum, steps,
 
 
 @pytest.mark.slow
+def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference):
+    """The LightningModule built once outside the wrapped function; the Trainer, DDP and the optimizers are made
+    again in every generation. An exception between backward and the optimizer step: no rank copies its state
+    back - the module holds the step's values, the new optimizer is given the previous one's state tensors -
+    and the run ends bitwise equal to the fault-free one."""
+    rank, step = _rng.randrange(4), _rng.randrange(3, 9)
+    spec = f"raise:{rank}:{step}:prestep"
+    rc, out, err = run_job(tmp_path, "outside", {"STEPS": "12", "FAULTS": spec, "MODEL_OUTSIDE": "1"})
+    info = f"FAULTS={spec} seed={SEED}\n{err[-3000:]}"
+    assert rc == 0, info
+    how = {}
+    for r in range(4):
+        with open(os.path.join(out, f"restores.rank{r}")) as f:
+            how[r] = dict(line.split() for line in f)
+    assert all(how[r]["1"] == "live" for r in range(4)), f"{how}\n{info}"
+    restored = [e for e in events(tmp_path, "outside") if e["event"] == "state_restored"]
+    assert [(e["step"], e["lost_steps"]) for e in restored] == [(step, 0)], f"{restored}\n{info}"
+    assert_same(reference("1", "12"), out, info)
+
+
+@pytest.mark.slow
 def test_default_sampler_and_a_dataset_drawn_at_setup_resume_exactly(tmp_path, reference):
     """What most Lightning scripts write: `DataLoader(shuffle=True)` with the DistributedSampler Lightning puts
     in, over a dataset drawn from the global RNG in train_dataloader() (Lightning's RandomDataset style).

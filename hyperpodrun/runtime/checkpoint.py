@@ -148,7 +148,8 @@ class CheckpointManager:
         self._on_gpu: Optional[bool] = None           # whether the state has CUDA tensors (first save)
         self._since_snapshot = 0                      # save() calls since the last snapshot began
         self._waited = 0.0                            # host seconds the optimizer step waited for the copy
-        self._sealed: dict[str, int] = {}             # slot path -> step, for slots this process sealed
+        #: slot path -> (step, the file's identity and times once sealed), for slots this process sealed
+        self._sealed: dict[str, tuple[int, Optional[tuple]]] = {}
         self._slot_steps: dict[str, int] = {}         # slot path -> the step it holds, as far as known
         self._staged_step: Optional[int] = None       # the step the device staging buffers hold, once sealed
         self._hook: Any = None
@@ -376,7 +377,7 @@ class CheckpointManager:
             self._inflight = None
             io.seal(view, staged)
             self.last_saved = step
-            self._sealed[path] = step
+            self._sealed[path] = (step, _file_key(path))
             self._slot_steps[path] = step
             if staging_used:
                 self._staged_step = step
@@ -413,6 +414,9 @@ class CheckpointManager:
         if live is not None and getattr(self, "_live_generation", 0) >= getattr(self._caller, "iteration", 0) \
                 and not live.final():
             self._live = None      # its values were still being computed: whatever the abort left is no step
+        elif live is not None and not live.release_if_short():
+            log.info("rank %d: the saved tensors are let go (no room beside objects built again); only objects "
+                     "that still hold them keep their state", self.rank)
 
     def _install_step_barrier(self) -> None:
         """The optimizer step changes what an offloaded snapshot copies: it waits for the copy first (not for
@@ -491,10 +495,12 @@ class CheckpointManager:
         # a survivor whose objects still hold the values of its last save() call keeps them (live_state.py)
         live = self._live.payload_for(self._live.step, state) if self._live is not None else None
         live_step = self._live.step if self._live is not None and live is not None else None
-        # the slots this process sealed itself, in the 0700 directory it made and holds: their checksum was
-        # summed as they were written, and only this uid (which could as well write into this process) can
-        # have changed them since - they are read without summing them again
-        trusted = {path: step for path, step in self._sealed.items() if os.path.dirname(path) == self.slot_dir()}
+        # the slots this process sealed itself, in the 0700 directory it made and holds, not written since
+        # (the same inode, size and times as when sealed): their checksum was summed as they were written, and
+        # only this uid - which could as well write into this process - can change them; they are read
+        # without summing them again
+        trusted = {path: step for path, (step, key) in self._sealed.items()
+                   if os.path.dirname(path) == self.slot_dir() and key is not None and key == _file_key(path)}
         unverified: set[str] = set()
         shm = find_snapshots(self._ensure_dir(), trusted, unverified)
         self._slot_steps = {path: found for found, path in shm.items()}
@@ -543,6 +549,8 @@ class CheckpointManager:
         if live is not None and live_step == step:
             self._load_live(live, state)
             self.restored_from = "live"
+            if self._live is not None and self._live.handed_over:
+                self._live.release()   # the objects hold the values now; the old generation's tensors may go
         elif streamed is not None:
             self._live = None
             if streamed["step"] != step:
@@ -583,8 +591,10 @@ class CheckpointManager:
             from hyperpodrun import protocol as P
             self._session.send(P.Restored(rank=self.rank, pid=os.getpid(), generation=self._caller.iteration,
                                           step=step, lost_steps=plan.lost_steps, source=plan.source))
-        log.info("restored step %d (%d step(s) lost); this rank's state: %s; %s", step, plan.lost_steps,
-                 "its own objects, unchanged since that save" if self.restored_from == "live" else
+        handed = self.restored_from == "live" and self._live is not None and self._live.handed_over
+        log.info("restored step %d (%d step(s) to train again); this rank's state: %s; %s", step, plan.lost_steps,
+                 ("the previous generation's tensors, unchanged since that save (no host copy)" if handed else
+                  "its own objects, unchanged since that save") if self.restored_from == "live" else
                  f"copied from {self.restored_from}" + {"live": " (live tensors)", "slot": " (slot bytes)"}.get(
                      self.restored_via or "", ""), ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
         return step
@@ -691,13 +701,15 @@ class CheckpointManager:
         set_rng_state(payload["rng"])
 
     def _load_live(self, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-        """Put back what a save kept outside the tensors (hyper-parameters, values, RNG); the tensors are the
-        objects' own, unchanged since that save: a module made of tensors only is left as it is."""
+        """Put back what a save kept outside the tensors (hyper-parameters, values, RNG). The tensors hold the
+        values of that save: a module that holds exactly them is left as it is; an object built again gets them
+        from the previous generation's tensors (an optimizer's state handed over, parameters copied on their
+        device)."""
         import torch
         for name, obj in state.items():
-            kind, saved, tensors_only = payload["state"][name]
+            kind, saved, keep = payload["state"][name]
             if kind == "sd":
-                if not (tensors_only and isinstance(obj, torch.nn.Module)):
+                if not (keep and isinstance(obj, torch.nn.Module)):
                     load_state_dict_into(obj, saved)
                     if isinstance(obj, torch.optim.Optimizer):
                         fix_optimizer_dtensors(obj)
@@ -738,6 +750,16 @@ def _has_cuda_tensors(state: Mapping[str, Any]) -> bool:
         for t in tensors:
             return bool(getattr(t, "is_cuda", False))
     return False
+
+
+def _file_key(path: str) -> Optional[tuple]:
+    """A file's identity and times (inode, size, modification and change times): any write through the file
+    system after this was taken changes it."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _room_for_staging(staged: io.Staged) -> bool:

@@ -136,12 +136,21 @@ class LayoutKeeper:
         self._weak = weakref
         self._tracked: Optional[list[Any]] = None     # weakrefs to this generation's DDP modules
         self.layouts: dict[str, Layout] = {}
+        self._late_hook: Any = None
 
     def reset(self) -> None:
         self._tracked, self.layouts = None, {}
+        self._unhook()
+
+    def _unhook(self) -> None:
+        hook = getattr(self, "_late_hook", None)
+        if hook is not None:
+            hook.remove()
+        self._late_hook = None
 
     def collect(self) -> dict[str, Layout]:
         """Layouts of the DDP modules that have run, captured once each (called at every save)."""
+        self._unhook()
         if self._tracked is None:
             self._tracked = [self._weak.ref(d) for d in find_ddps()]
         pending = []
@@ -172,4 +181,18 @@ class LayoutKeeper:
             if layout is not None and apply(ddp, layout):
                 applied += 1
         self.layouts = dict(saved)
+        self._unhook()
+        if saved:
+            # a DDP made after restore() (the bare module restored, then wrapped) gets its layout before its
+            # first forward, from a global forward pre-hook that goes once the next save() collects
+            from torch.nn.modules.module import register_module_forward_pre_hook
+            self._late_hook = register_module_forward_pre_hook(self._late)
         return applied
+
+    def _late(self, module: Any, _args: Any) -> None:
+        if not is_ddp(module) or getattr(module, "_lazy_init_ran", True) or getattr(module, "_hpr_layout", False):
+            return
+        module._hpr_layout = True
+        layout = self.layouts.get(fingerprint(module))
+        if layout is not None:
+            apply(module, layout)

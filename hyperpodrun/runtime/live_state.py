@@ -114,12 +114,27 @@ def _non_tensor_leaves(skel: Any) -> Any:
         yield skel
 
 
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether two tensors (state dicts return new tensor objects each call) are views of the same memory."""
+    a, b = _local(a), _local(b)
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype \
+        and a.device == b.device
+
+
 class LiveState:
     """One save() call of this process, as far as its objects still hold it (see the module doc).
 
     Made when save() is called - the fingerprint must be of the values being saved, taken before the next
     optimizer step can change them (on a GPU it runs on a side stream; `wait_on` makes the optimizer step
-    wait for it, on the device)."""
+    wait for it, on the device).
+
+    It also holds the saved tensors themselves (the objects' own: no memory while the objects live), so that
+    objects built again in the re-executed function - an optimizer that Lightning or the Trainer makes anew,
+    a model built inside the function - get the values of the save from the previous generation's tensors:
+    handed over (an optimizer's state) or copied device to device (a module's parameters), not read back from
+    the host. While the re-executed function builds its objects again those tensors are still held: where
+    the memory for that is short when a restart begins, `release_if_short` lets them go (then only objects
+    that still hold them are kept)."""
 
     def __init__(self, step: int, payload: Mapping[str, Any], streams: Any = None) -> None:
         """`payload`: the save's payload (entries ("sd", state dict) or ("value", obj), RNG, layouts);
@@ -129,6 +144,15 @@ class LiveState:
         self._entries = {name: _Entry(kind, saved, tensors) for name, (kind, saved) in payload["state"].items()}
         self._rest = {k: v for k, v in payload.items() if k != "state"}
         self.print = Fingerprint(tensors, streams)
+        self._refs: Optional[list] = tensors
+        self._spans: dict[str, tuple[int, int]] = {}
+        at = 0
+        for name, entry in self._entries.items():
+            n = sum(1 for _ in _slots(entry.skeleton))
+            self._spans[name] = (at, at + n)
+            at += n
+        #: after payload_for: whether some object was given the values from the previous generation's tensors
+        self.handed_over = False
 
     def wait_on(self, device: Any) -> None:
         self.print.wait_on(device)
@@ -137,26 +161,89 @@ class LiveState:
         """Whether the values fingerprinted had all been computed when this is asked (an abort beginning)."""
         return self.print.final()
 
+    def release(self) -> None:
+        """Let the saved tensors go (the objects of `state` hold the values now)."""
+        self._refs = None
+
+    def release_if_short(self) -> bool:
+        """Let the saved tensors go when the memory they would take beside objects built again is not free
+        (a restart begins: the re-executed function may build its model again before restore()). Returns
+        whether they are still held."""
+        refs = self._refs
+        if refs is None:
+            return False
+        need: dict[Any, int] = {}
+        for t in refs:
+            local = _local(t)
+            need[local.device] = need.get(local.device, 0) + local.numel() * local.element_size()
+        for device, nbytes in need.items():
+            if _free_bytes(device) < nbytes:
+                self._refs = None
+                return False
+        return True
+
     def payload_for(self, step: int, state: Mapping[str, Any]) -> Optional[dict]:
-        """The payload of `step` made of the objects of `state` themselves, or None when this is another step
-        or the objects hold other values or another structure than at the save (then the state must be
-        loaded from a copy). Each entry is (kind, state dict or value, whether it holds tensors only)."""
+        """The payload of `step` for the objects of `state`, or None when this is another step, the values of
+        the save are gone (changed in place, or released and the objects hold others) - then the state must
+        be loaded from a copy. Each entry is (kind, state dict or value, keep: the object holds exactly these
+        tensors and nothing else, nothing to load)."""
         if self.step != step or set(state) != set(self._entries):
             return None
         everything: list = []          # in the order of the save (the skeletons' tensor indices)
+        own: dict[str, bool] = {}
         for name, entry in self._entries.items():
             obj = state[name]
             has_sd = hasattr(obj, "state_dict") and callable(obj.state_dict)
             if (entry.kind == "sd") != has_sd:
                 return None
+            first = len(everything)
             skel = _skeleton(state_dict_of(obj) if has_sd else obj, everything)
-            if _structure(skel) != entry.structure:
-                return None
-        if not self.print.matches(everything):
+            same_shape = _structure(skel) == entry.structure
+            lo, hi = self._spans[name]
+            own[name] = same_shape and (self._refs is None or all(
+                _same_tensor(c, r) for c, r in zip(everything[first:], self._refs[lo:hi])))
+            if not same_shape and (self._refs is None or _is_module(obj)):
+                return None         # a module's keys must be the saved ones (bare vs wrapped: a load would fail)
+        source = self._refs if self._refs is not None else everything
+        if not self.print.matches(source):
             return None
-        out = {name: (entry.kind, _fill(entry.skeleton, everything), entry.all_tensors)
+        self.handed_over = not all(own.values()) and self._refs is not None
+        out = {name: (entry.kind, _fill(entry.skeleton, source), entry.all_tensors and own[name])
                for name, entry in self._entries.items()}
         return {**self._rest, "state": out}
+
+
+def _is_module(obj: Any) -> bool:
+    import torch
+    return isinstance(obj, torch.nn.Module)
+
+
+def _slots(skel: Any) -> Any:
+    if isinstance(skel, _Slot):
+        yield skel
+    elif isinstance(skel, dict):
+        for v in skel.values():
+            yield from _slots(v)
+    elif isinstance(skel, (list, tuple)):
+        for v in skel:
+            yield from _slots(v)
+
+
+def _free_bytes(device: Any) -> int:
+    """Memory free for new tensors on `device`: on a GPU what the driver has free plus what torch's caching
+    allocator holds unused, less a tenth of the device; on the host what the kernel calls available."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+            return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - total // 10
+        except RuntimeError:
+            return 0
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return 0
 
 
 __all__ = ["LiveState"]

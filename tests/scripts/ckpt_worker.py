@@ -77,6 +77,13 @@ def maybe_fault(where, step, rank, generation):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind in ("poke", "inplace"):   # the state changes between its save and the restore, then a raise
+                first = next(iter(current["params"]))
+                if kind == "poke":
+                    first.data[0].add_(0.5)                   # through .data: no version count sees it
+                else:
+                    with torch.no_grad():
+                        first.mul_(1.5)
             if kind == "park":
                 with open(os.path.join(OUT_DIR, f"park.{rank}.tmp"), "w") as fh:
                     fh.write(str(os.getpid()))
@@ -95,10 +102,14 @@ def _progress(rank: int) -> int:
         return -1
 
 
-def build(rank):
+def bare_model():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, 4 * DIM), nn.GELU(),
-                          nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
+    return nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, 4 * DIM), nn.GELU(),
+                         nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
+
+
+def build(rank):
+    model = bare_model()
     if MODE in ("ddp", "zero"):
         # small buckets, as a large model has several of the default 25 MB
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
@@ -122,7 +133,7 @@ def build(rank):
     return net, opt
 
 
-current = {"step": 0, "gen": 0}
+current = {"step": 0, "gen": 0, "params": []}
 
 
 def batch(step, rank):
@@ -131,9 +142,17 @@ def batch(step, rank):
     return x, x.sum(dim=1, keepdim=True) * 0.1
 
 
-# BUILD_OUTSIDE=1: the model and optimizer are built once, outside the re-executed function (hand-written
-# all-reduce loop only: DDP/FSDP2 need the process group); restore() rewinds them in place on re-entry.
-OUTSIDE = build(int(os.environ.get("RANK", 0))) if os.environ.get("BUILD_OUTSIDE") == "1" else None
+# BUILD_OUTSIDE=1: the model and optimizer are built once, outside the re-executed function; restore() rewinds
+# them in place on re-entry, or keeps them. Hand-written all-reduce loop: as they are. MODE=ddp: the bare module
+# and its optimizer outside, DistributedDataParallel made again around the module in every generation (it needs
+# the process group) - before restore(), the DDP module passed as the state (the README's wrapping), or with
+# WRAP_AFTER_RESTORE=1 after it, the bare module passed as the state.
+if os.environ.get("BUILD_OUTSIDE") == "1" and MODE == "ddp":
+    _bare = bare_model()
+    OUTSIDE = (_bare, torch.optim.Adam(_bare.parameters(), lr=1e-3))
+else:
+    OUTSIDE = build(int(os.environ.get("RANK", 0))) if os.environ.get("BUILD_OUTSIDE") == "1" else None
+WRAP_AFTER = os.environ.get("WRAP_AFTER_RESTORE") == "1"
 # BIG_MB=N: N MiB more state that training never changes (a module's frozen parameter, so an offloaded save
 # copies it in the background): a save that takes long enough for a fault to come while it is copied; BIG_RANK:
 # only on that rank
@@ -157,17 +176,32 @@ def main(caller=None):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
     net, opt = OUTSIDE if OUTSIDE is not None else build(rank)
-    if MODE in ("ddp", "zero"):
+    bare = None
+    if OUTSIDE is not None and MODE == "ddp":
+        bare = net
+        if not WRAP_AFTER:
+            net = nn.parallel.DistributedDataParallel(bare, bucket_cap_mb=0.1)
+    current["params"] = list((bare or net).parameters())
+    if MODE in ("ddp", "zero") and bare is None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def faulty_allreduce(pg, bucket):   # the default all-reduce, with a fault point inside it
             maybe_fault("allreduce", current["step"], rank, caller.iteration)
             return allreduce_hook(pg, bucket)
         net.register_comm_hook(None, faulty_allreduce)
-    state = {"model": net, "opt": opt}
+    state = {"model": net if bare is None or not WRAP_AFTER else bare, "opt": opt}
     if BIG is not None:
         state["big"] = BIG
     start = cm.restore(state) or 0
+    if bare is not None:
+        if WRAP_AFTER:
+            net = nn.parallel.DistributedDataParallel(bare, bucket_cap_mb=0.1)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def faulty_allreduce_outside(pg, bucket):
+            maybe_fault("allreduce", current["step"], rank, caller.iteration)
+            return allreduce_hook(pg, bucket)
+        net.register_comm_hook(None, faulty_allreduce_outside)
     with open(os.path.join(OUT_DIR, f"entries.rank{rank}"), "a") as fh:
         # the process: its pid and start time (the node-loss tests run each node in its own pid namespace, where
         # a replacement's workers may get the pids the lost node's had)

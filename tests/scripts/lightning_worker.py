@@ -105,10 +105,19 @@ class Net(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         maybe_fault("prestep", self.trainer.global_step, self.generation)
 
+    def on_train_start(self) -> None:   # after the callback's restore: how this rank got its state
+        with open(os.path.join(OUT_DIR, f"restores.rank{RANK}"), "a") as f:
+            f.write(f"{self.generation} {cm.restored_from}\n")
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# MODEL_OUTSIDE=1: the LightningModule is built once, outside the re-executed function (the Trainer, its DDP
+# wrapper and the optimizers are made again in every generation)
+OUTSIDE = Net(0) if os.environ.get("MODEL_OUTSIDE") == "1" else None
 
 
 @HPWrapper(checkpoint_manager=cm)
@@ -122,7 +131,8 @@ def main(caller=None):
     trainer.wrapper = caller
     data = MMAPDataModule(data_module=Data(), mmap_config=CacheResumeMMAPConfig(
         cache_dir=os.environ["CACHE_DIR"], prefetch_length=4, lookback_length=2))
-    model = Net(caller.iteration)
+    model = OUTSIDE if OUTSIDE is not None else Net(caller.iteration)
+    model.generation = caller.iteration
     trainer.fit(model, data)
     opt = trainer.optimizers[0]
     torch.save({"params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},

@@ -65,9 +65,32 @@ def test_other_steps_objects_and_in_place_changes_are_seen():
         model[0].weight[3, 4] += 1e-3                                # one element, in place
     assert live.payload_for(1, state) is None
     other = snapshot(1, state)
-    rebuilt = dict(state, model=nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)))
-    assert other.payload_for(1, rebuilt) is None                    # built again: other values
     assert other.payload_for(1, {k: v for k, v in state.items() if k != "epoch"}) is None
+
+
+def test_objects_built_again_get_the_previous_generations_tensors(monkeypatch):
+    """A model and optimizer built again (inside the re-executed function, or by Lightning's
+    configure_optimizers): the saved tensors are still held, so the new objects get their values from them -
+    the module's to copy on its device, the optimizer's handed over - unless memory was short when the restart
+    began: then the new objects' own values are no step, and they are loaded from a copy."""
+    from hyperpodrun.runtime import live_state
+    model, opt, sched, state = setup()
+    train_step(model, opt, sched)
+    live = snapshot(1, state)
+    torch.manual_seed(5)
+    model2 = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    rebuilt = dict(state, model=model2, opt=opt2)
+    payload = live.payload_for(1, rebuilt)
+    assert payload is not None and live.handed_over
+    kind, sd, keep = payload["state"]["model"]
+    assert not keep and torch.equal(sd["0.weight"], model[0].weight)
+    assert payload["state"]["opt"][1]["state"][0]["exp_avg"] is opt.state[model[0].weight]["exp_avg"]
+    assert live.payload_for(1, state)["state"]["model"][2] is True      # the objects that hold them: kept
+    monkeypatch.setattr(live_state, "_free_bytes", lambda device: 0)
+    assert live.release_if_short() is False                          # no room beside a model built again
+    assert live.payload_for(1, rebuilt) is None
+    assert live.payload_for(1, state) is not None                    # the old objects still hold the step
 
 
 @pytest.mark.parametrize("change", ["add", "element", "copy", "zero"])
