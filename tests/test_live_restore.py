@@ -15,6 +15,12 @@ from conftest import assert_same_ckpt_state as assert_same
 from test_checkpoint import _rng, SEED, events, reference, restores, run_job  # noqa: F401  (fixture)
 
 
+# the fault fires once every other rank has saved the step it comes in: otherwise a peer that the restart
+# catches between its optimizer step and that save rightly makes the job restore the step before, and then
+# nobody's objects hold it (seen under load)
+SAVED_FIRST = {"FAULT_AFTER_PEERS_SAVED": "1", "STEP_SLEEP": "0.02"}
+
+
 def _entries(out: str, rank: int) -> list[tuple[int, int]]:
     """(generation, the step it started at) per entry of the wrapped function on `rank`."""
     with open(os.path.join(out, f"entries.rank{rank}")) as fh:
@@ -30,7 +36,7 @@ def test_an_exception_keeps_every_ranks_live_state_whatever_wraps_it(tmp_path, r
     rank, step = _rng.randrange(4), _rng.randrange(2, 8)
     faults = f"raise:{rank}:{step}:allreduce"
     rc, out, err = run_job(tmp_path, "live", "ddp", faults,
-                           extra_env={"BUILD_OUTSIDE": "1", "WRAP_AFTER_RESTORE": wrap_after})
+                           extra_env={"BUILD_OUTSIDE": "1", "WRAP_AFTER_RESTORE": wrap_after, **SAVED_FIRST})
     info = f"FAULTS={faults} seed={SEED}\n{err[-3000:]}"
     assert rc == 0, info
     assert_same(reference("ddp"), out)
@@ -46,12 +52,13 @@ def test_an_exception_keeps_every_ranks_live_state_whatever_wraps_it(tmp_path, r
 def test_a_tensor_changed_between_save_and_restore_is_copied_back(tmp_path, reference, kind):
     """The raising rank changes a parameter after its save (through `.data`, which no version count sees, or in
     place under no_grad), then raises inside DDP's gradient all-reduce: its values are not the saved ones, so
-    it copies its state back from its own slot; the others keep theirs. Not rank 0: DDP's construction in the
-    next generation broadcasts rank 0's parameters, which would carry the change to every rank (and every rank
-    would rightly copy back). The end is bitwise the fault-free run's."""
-    rank, step = _rng.randrange(1, 4), _rng.randrange(2, 8)
+    it copies its state back from its own slot; the others keep theirs. DDP is made after restore() here:
+    made before it, its construction broadcast would overwrite the change with rank 0's values first (then
+    the values are the saved ones again, and keeping them is right). The end is bitwise the fault-free run's."""
+    rank, step = _rng.randrange(4), _rng.randrange(2, 8)
     faults = f"{kind}:{rank}:{step}:allreduce"
-    rc, out, err = run_job(tmp_path, "changed", "ddp", faults, extra_env={"BUILD_OUTSIDE": "1"})
+    rc, out, err = run_job(tmp_path, "changed", "ddp", faults,
+                           extra_env={"BUILD_OUTSIDE": "1", "WRAP_AFTER_RESTORE": "1", **SAVED_FIRST})
     info = f"FAULTS={faults} seed={SEED}\n{err[-3000:]}"
     assert rc == 0, info
     assert_same(reference("ddp"), out)

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-#: dtypes fingerprinted by norms (float64 too); the others are kept as a copy
-_NORMED = ("float16", "bfloat16", "float32")
+def _normed() -> tuple:
+    import torch
+    return (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _local(t: Any) -> Any:
@@ -41,14 +42,21 @@ class Fingerprint:
         """`streams`: a SideStream to compute device tensors' fingerprints on (after the current stream's work
         so far); None: on the current stream."""
         import torch
-        self.layout = [(tuple(_local(t).shape), _local(t).dtype, _local(t).device) for t in tensors]
+        #: (shape, dtype, device) of each tensor, once remember_layout() was called (the caller that holds the
+        #: tensors themselves need not: they are what matches() is asked about)
+        self.layout: Optional[list[tuple]] = None
         self.events: dict[Any, Any] = {}        # device -> event recorded after its fingerprint kernels
         self.source_events: dict[Any, Any] = {}  # device -> event the fingerprint kernels waited for
         groups: dict[tuple, list[Any]] = {}
-        for t in tensors:
-            local = _local(t).detach()
-            groups.setdefault((local.device, str(local.dtype).removeprefix("torch.")), []).append(local)
+        for t in tensors:                       # per tensor: the training thread pays this at every save()
+            local = t.to_local() if hasattr(t, "placements") else t
+            groups.setdefault((local.device, local.dtype), []).append(local)
         self.values: list[Any] = []
+        with torch.no_grad():
+            self._compute(groups, streams)
+
+    def _compute(self, groups: dict[tuple, list[Any]], streams: Any) -> None:
+        import torch
         for (device, dtype), ts in groups.items():
             if device.type == "cuda" and streams is not None:
                 stream = streams.get(device)
@@ -63,6 +71,10 @@ class Fingerprint:
                     self.events[device] = event
             else:
                 self.values.append(_group_print(ts, dtype))
+
+    def remember_layout(self, tensors: Sequence[Any]) -> None:
+        """Keep the tensors' shapes, dtypes and devices (before the tensors themselves are let go)."""
+        self.layout = _layout(tensors)
 
     def wait_on(self, device: Any) -> None:
         """Make `device`'s current stream wait (on the device) until the fingerprint read its tensors: the
@@ -83,8 +95,7 @@ class Fingerprint:
     def matches(self, tensors: Sequence[Any]) -> bool:
         """Whether `tensors` (in the same order) hold the values fingerprinted."""
         import torch
-        layout = [(tuple(_local(t).shape), _local(t).dtype, _local(t).device) for t in tensors]
-        if layout != self.layout:
+        if self.layout is not None and _layout(tensors) != self.layout:
             return False
         for event in self.events.values():
             event.synchronize()
@@ -97,12 +108,16 @@ class Fingerprint:
         return True
 
 
-def _group_print(ts: list[Any], dtype: str) -> Any:
+def _layout(tensors: Sequence[Any]) -> list[tuple]:
+    return [(tuple(_local(t).shape), _local(t).dtype, _local(t).device) for t in tensors]
+
+
+def _group_print(ts: list[Any], dtype: Any) -> Any:
     """One tensor holding the fingerprint of same-device, same-dtype tensors `ts` (in order)."""
     import torch
-    if dtype in _NORMED:
+    if dtype in _normed():
         return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64))
-    if dtype == "float64":
+    if dtype == torch.float64:
         return torch.stack(torch._foreach_norm(ts, 2))
     # integer, bool, float8, complex...: an exact copy of the bytes (such state is small: counters, masks)
     flat = [t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8) for t in ts]

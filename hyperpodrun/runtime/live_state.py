@@ -163,6 +163,8 @@ class LiveState:
 
     def release(self) -> None:
         """Let the saved tensors go (the objects of `state` hold the values now)."""
+        if self._refs is not None:
+            self.print.remember_layout(self._refs)
         self._refs = None
 
     def release_if_short(self) -> bool:
@@ -178,7 +180,7 @@ class LiveState:
             need[local.device] = need.get(local.device, 0) + local.numel() * local.element_size()
         for device, nbytes in need.items():
             if _free_bytes(device) < nbytes:
-                self._refs = None
+                self.release()
                 return False
         return True
 
@@ -204,6 +206,10 @@ class LiveState:
                 _same_tensor(c, r) for c, r in zip(everything[first:], self._refs[lo:hi])))
             if not same_shape and (self._refs is None or _is_module(obj)):
                 return None         # a module's keys must be the saved ones (bare vs wrapped: a load would fail)
+            if same_shape and self._refs is not None and not own[name] and any(
+                    _local(c).shape != _local(r).shape or _local(c).dtype != _local(r).dtype
+                    for c, r in zip(everything[first:], self._refs[lo:hi])):
+                return None         # built again with other shapes: the saved values do not fit
         source = self._refs if self._refs is not None else everything
         if not self.print.matches(source):
             return None

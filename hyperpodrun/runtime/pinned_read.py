@@ -108,9 +108,27 @@ def register(m: mmap.mmap, read_only: bool, what: str) -> Optional[int]:
         log.info("%s not pinned (%s): its device copies are pageable ones", what, exc)
         return None
     if err != 0:
+        _clear_cuda_error()
         log.info("%s not pinned (cudaHostRegister: error %d): its device copies are pageable ones", what, err)
         return None
     return ptr
+
+
+def _clear_cuda_error() -> None:
+    """A failed cudaHostRegister leaves its error as the runtime's last error, which the next torch call that
+    checks it would raise (an unrelated `empty_like`, seen on a slot in a disk-backed directory): take it off."""
+    import torch
+    cudart = torch.cuda.cudart()
+    get_last = getattr(cudart, "cudaGetLastError", None)
+    if get_last is not None:
+        get_last()
+        return
+    for _ in range(2):     # the first kernel launch check reads (and clears) the pending error
+        try:
+            torch.empty(1, device="cuda").fill_(0)
+            return
+        except RuntimeError:
+            continue
 
 
 @dataclass
