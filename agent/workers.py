@@ -86,8 +86,25 @@ class WorkerLauncher:
                                     self.slot_dir)
         # tried first for a respawn, in this order
         self.fast: list[WorkerSource] = [self.standbys, self.warm] if cfg.standby_workers else [self.warm]
+        self._say_standbys()
         self._paths: dict[int, tuple[Optional[str], Optional[str], str]] = {}  # pid -> (out, err, error file)
         self._streams: dict[int, list[int]] = {}   # pid -> its tee streams (pipes)
+
+    def _say_standbys(self) -> None:
+        """Under --inprocess-restart, say at start how many standbys this node keeps and why: the default
+        `--standby-workers auto` decides by the host, so the line tells a user what they got and how to
+        change it."""
+        cfg = self.cfg
+        if not cfg.inprocess_restart:
+            return
+        n = cfg.standby_workers
+        why = cfg.standby_auto or f"--standby-workers {n}"
+        if n and not self.warm.usable:   # a standby is forked by the warm spawner
+            why += "; none will start: warm respawns are off here (HYPERPODRUN_WARM_RESPAWN, or no subreaper)"
+        elif not n and cfg.standby_auto:
+            why += "; --standby-workers N starts them anyway"
+        self.events.emit("standby_workers", f"standby workers: {f'{n} per local rank' if n else 'off'} ({why})",
+                         per_local_rank=n, auto=cfg.standby_auto is not None)
 
     def slot_dir(self, local_rank: int) -> str:
         """Where a rank of this local rank keeps its snapshot slots (CheckpointManager's default place)."""

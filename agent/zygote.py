@@ -161,7 +161,7 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
     except OSError:
         return None
     finally:
-        taken.set()                     # the warm-up ends before its next dtype (it never touches the script's
+        taken.set()                     # the warm-up ends before its next step (it never touches the script's
         if prepinner is not None:       # state); the takeover goes on; a registration in progress ends by itself
             prepinner.stop()
     if not msg:

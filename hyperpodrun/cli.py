@@ -127,9 +127,10 @@ OFF = "off"
 @oopt("--progress-timeout", default=None, metavar="SECONDS", show_default=OFF,
       help="A rank without progress this long is stuck.")
 @oopt("--max-step-failures", default="3", metavar="N", help="Stop when one step fails this often.")
-@oopt("--standby-workers", default="0", metavar="N", show_default="0 (off)",
+@oopt("--standby-workers", default="auto", metavar="auto|N",
+      show_default="auto: 1 with --inprocess-restart on a CUDA host, else 0",
       help="Processes started ahead per local rank (torch imported, CUDA context made) that replace a rank "
-           "that dies (--inprocess-restart).")
+           "that dies (--inprocess-restart). 0 turns them off.")
 @oopt("--node-timeout", default="5", metavar="SECONDS",
       help="A node whose agent is silent this long is lost (several nodes, --inprocess-restart).")
 @oopt("--replace-timeout", default="120", metavar="SECONDS",

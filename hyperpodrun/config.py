@@ -6,6 +6,7 @@ LaunchConfig owns all validation of a launch, as pydantic validators:
 - `_from_flags` (before the fields, only for `LaunchConfig.from_flags`) refuses the flags hyperpodrun does not
   support and derives the topology fields (rendezvous host and port, node rank, master address) from
   torchrun's flags;
+- `_standby_auto` (before the fields) turns `--standby-workers auto` into this host's count;
 - `_check_together` (after the fields) checks what involves several of them;
 - `_check_host` (after, only for `from_flags`) checks them against this machine: the script exists, the
   log directory takes data, the job secret is usable, NVML loads (hyperpodrun/host_checks.py).
@@ -21,10 +22,11 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from hyperpodrun.errors import ConfigError
-from hyperpodrun.flag_syntax import (ACCEPTED_ONLY, STD_ALL, STD_ERR, STD_NONE, STD_OUT, UNSUPPORTED, parse_conf,
-                                     parse_endpoint, parse_nnodes, parse_rank_list, parse_signal, parse_signal_list,
-                                     parse_std_map, split_args)
-from hyperpodrun.host_checks import count_workers, default_log_dir, own_address, private_log_base, temp_log_base
+from hyperpodrun.flag_syntax import (ACCEPTED_ONLY, STD_ALL, STD_ERR, STD_NONE, STD_OUT, UNSUPPORTED, as_bool,
+                                     parse_conf, parse_endpoint, parse_nnodes, parse_rank_list, parse_signal,
+                                     parse_signal_list, parse_std_map, split_args)
+from hyperpodrun.host_checks import (count_workers, default_log_dir, own_address, private_log_base, standby_auto,
+                                     temp_log_base)
 
 # Bounds of the numeric flags (README, Flags). A value past them is a typo or an overflow, never a job: an
 # agent asked for 10**20 workers would grow until the OOM killer ends it, a timeout of 1e400 s never fires.
@@ -73,6 +75,7 @@ ACCEPTS = {
     "progress_timeout": _WEEK,
     "node_timeout": f"a number of seconds from {MIN_NODE_TIMEOUT_S:g} to {MAX_TIMEOUT_S:.0f} (one week)",
     "replace_timeout": _WEEK,
+    "standby_workers": "auto, or a whole number of standbys per local rank from 0 to 8 (0 turns them off)",
 }
 
 
@@ -247,8 +250,11 @@ class LaunchConfig(BaseModel):
     heartbeat_timeout: float = Field(10.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     progress_timeout: Optional[float] = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     max_step_failures: int = Field(3, ge=1, le=MAX_COUNT)
-    # processes started ahead per local rank slot that become a rank which died (agent/standby.py)
+    # processes started ahead per local rank slot that become a rank which died (agent/standby.py). "auto" (the
+    # command line's default; a config built in code has 0) is resolved by _standby_auto, which also sets
+    # standby_auto: why auto gave this count (None: a number was given)
     standby_workers: int = Field(0, ge=0, le=8)
+    standby_auto: Optional[str] = None
     # node membership (agent/membership.py): a node whose agent is silent this long is lost; a lost node's
     # replacement (the same command started again) is awaited this long
     node_timeout: float = Field(DEFAULT_NODE_TIMEOUT_S, ge=MIN_NODE_TIMEOUT_S, le=MAX_TIMEOUT_S, allow_inf_nan=False)
@@ -298,6 +304,18 @@ class LaunchConfig(BaseModel):
             if flags.get(key) in (None, ""):
                 flags.pop(key, None)   # not given: the field's default
         return flags
+
+    @model_validator(mode="before")
+    @classmethod
+    def _standby_auto(cls, data: Any) -> Any:
+        """`--standby-workers auto` -> this launch's count and why (host_checks.standby_auto): it is the
+        default, so a launch that cannot have standbys gets 0 from it, never an error; a number is checked
+        as given (_check_together)."""
+        if not isinstance(data, dict) or str(data.get("standby_workers", "")).strip().lower() != "auto":
+            return data
+        script = not (as_bool(data.get("module")) or as_bool(data.get("no_python")))
+        count, why = standby_auto(as_bool(data.get("inprocess_restart")), script)
+        return {**data, "standby_workers": count, "standby_auto": why}
 
     # ------------------------------------------------------------------------------------------ flag syntax
     @field_validator("nproc_per_node", mode="before")

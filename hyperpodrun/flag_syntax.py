@@ -9,7 +9,9 @@ from __future__ import annotations
 import re
 import shlex
 import signal
-from typing import Optional
+from typing import Any, Optional
+
+from pydantic import TypeAdapter, ValidationError
 
 from hyperpodrun.errors import ConfigError
 
@@ -145,3 +147,16 @@ def split_args(flag: str, text: Optional[str]) -> list[str]:
         return shlex.split(text or "")
     except ValueError as exc:
         raise ConfigError(f"{flag} {text!r}: {exc} (give the arguments as one shell-quoted string)") from None
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def as_bool(value: Any) -> bool:
+    """A boolean flag's raw value as LaunchConfig's validation will read it (True, "1", "yes", ...), for a
+    validator that must look at it before the fields are validated; an invalid one reads False (its field
+    reports it)."""
+    try:
+        return bool(_BOOL.validate_python(value))
+    except ValidationError:
+        return False

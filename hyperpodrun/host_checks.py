@@ -1,6 +1,6 @@
-"""Facts of this machine a launch depends on, and the checks against them: GPU and CPU counts, this host's
-address, the log directory (writable, not full, ours alone), the scripts and programs to run, the NVML
-library.
+"""Facts of this machine a launch depends on, and the checks against them: GPU and CPU counts, whether the
+workers would see a CUDA GPU (what `--standby-workers auto` goes by), this host's address, the log directory
+(writable, not full, ours alone), the scripts and programs to run, the NVML library.
 
 LaunchConfig runs the checks when it is built from the command line (`LaunchConfig.from_flags`, the
 "host" validation context in hyperpodrun/config.py); a LaunchConfig built in code (tests, tools) skips the
@@ -9,12 +9,13 @@ ones that touch the file system. Every problem is a ConfigError naming the flag 
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 import socket
 import stat
 import tempfile
-from typing import Optional
+from typing import Callable, Mapping, Optional
 
 from hyperpodrun import settings
 from hyperpodrun.errors import ConfigError
@@ -35,6 +36,45 @@ def count_workers(word: str) -> int:
             return len(os.sched_getaffinity(0))
         raise ConfigError("--nproc-per-node gpu: no CUDA GPU is visible on this node; give a number instead")
     raise ConfigError(f"--nproc-per-node {word!r} is not a number or one of auto, gpu, cpu")
+
+
+#: the NVIDIA driver's device files, one per GPU (/dev/nvidia0, ...): there on a host, or in a container,
+#: that has CUDA GPUs; looking needs no library (NVML or torch would open the driver)
+NVIDIA_DEVICES = "/dev/nvidia[0-9]*"
+#: standbys per local rank that `--standby-workers auto` starts on a host with CUDA GPUs
+AUTO_STANDBY_WORKERS = 1
+
+
+def cuda_gpus(env: Optional[Mapping[str, str]] = None, devices: Optional[str] = None) -> tuple[bool, str]:
+    """Whether the workers of this host would see a CUDA GPU, and why in a few words.
+
+    Decided without loading torch or the driver, so that the default `--standby-workers auto` costs a launch
+    nothing: a GPU device file of the NVIDIA driver exists (`devices`) and CUDA_VISIBLE_DEVICES, when set,
+    does not hide every GPU (CUDA stops at its first entry that is not an index or a GPU-/MIG- UUID, so an
+    empty value or -1 hides them all). `env` is os.environ and `devices` NVIDIA_DEVICES unless given."""
+    cvd = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        first = cvd.split(",")[0].strip()
+        if not (first.isdigit() or first.upper().startswith(("GPU-", "MIG-"))):
+            return False, f"CUDA_VISIBLE_DEVICES={cvd!r} hides every GPU"
+    if not glob.glob(devices or NVIDIA_DEVICES):
+        return False, "no CUDA GPU on this host"
+    return True, "CUDA present"
+
+
+def standby_auto(inprocess_restart: bool, script_entry: bool,
+                 detect: Optional[Callable[[], tuple[bool, str]]] = None) -> tuple[int, str]:
+    """`--standby-workers auto` -> (standbys per local rank, why). The default, so it never fails a launch:
+    AUTO_STANDBY_WORKERS where standbys pay off (an in-process restart of a script on a CUDA host: a standby
+    saves the replacement its CUDA context, NCCL's start and the kernels' loading), 0 wherever they cannot
+    run (no --inprocess-restart, a -m or --no-python entry point) or save little (no GPU). `detect` (default
+    `cuda_gpus`) is asked only when the rest allows standbys."""
+    if not inprocess_restart:
+        return 0, "auto: no --inprocess-restart"
+    if not script_entry:
+        return 0, "auto: standbys need a script entry point, not -m/--no-python"
+    present, why = (detect or cuda_gpus)()
+    return (AUTO_STANDBY_WORKERS if present else 0), f"auto: {why}"
 
 
 def own_address(local_addr: Optional[str]) -> str:

@@ -70,6 +70,9 @@ BAD_FLAGS = [
     (["--inprocess-timeout", "0"], ["--inprocess-timeout"]),
     (["--heartbeat-interval", "0"], ["--heartbeat-interval"]),
     (["--max-step-failures", "0"], ["--max-step-failures"]),
+    (["--inprocess-restart", "--standby-workers", "foo"], ["--standby-workers 'foo'", "auto", "0 turns them off"]),
+    (["--inprocess-restart", "--standby-workers", "-1"], ["--standby-workers '-1'", "from 0 to 8"]),
+    (["--inprocess-restart", "--standby-workers", "9"], ["--standby-workers '9'", "from 0 to 8"]),
     (["--progress-timeout", "0"], ["--progress-timeout"]),
     (["--inprocess-restart", "--heartbeat-interval", "5", "--heartbeat-timeout", "2"], ["--heartbeat-interval"]),
     (["--pre-train-script", "no-such-hook.sh"], ["--pre-train-script"]),
@@ -99,12 +102,38 @@ def test_bad_flag_is_a_short_usage_error(launcher, tmp_path, flags, needles):
     ({"PET_NNODES": "x"}, ["--nnodes"]),
     ({"PET_MAX_RESTARTS": "-3"}, ["--max-restarts"]),
     ({"HYPERPODRUN_SHUTDOWN_SIGNAL": "SIGNOPE"}, ["--shutdown-signal"]),
+    ({"HYPERPODRUN_STANDBY_WORKERS": "many"}, ["--standby-workers", "HYPERPODRUN_STANDBY_WORKERS"]),
     ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "later"}, ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]),
 ], ids=lambda v: ",".join(v) if isinstance(v, dict) else "")
 def test_bad_environment_default_is_a_short_usage_error(launcher, tmp_path, env, needles):
     ok = tmp_path / "ok.py"
     ok.write_text("pass\n")
     _assert_usage_error(launcher.run([ok], env=env, timeout=30), *needles)
+
+
+def test_a_bad_standby_count_is_exactly_one_line(launcher, tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("pass\n")
+    res = launcher.run(["--inprocess-restart", "--standby-workers", "foo", ok], timeout=30)
+    _assert_usage_error(res, "--standby-workers 'foo': must be auto, or a whole number")
+    assert len(res.err.strip().splitlines()) == 1, res.err
+
+
+def test_standby_workers_auto_is_the_default_and_never_fails_a_launch(launcher, tmp_path):
+    """`auto` parses, says at start what it chose (here no GPU is visible: off), and resolves to 0 silently
+    where standbys cannot run (-m, no --inprocess-restart) instead of the error an explicit number gives."""
+    ok = tmp_path / "ok.py"
+    ok.write_text("pass\n")
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    res = launcher.run(["--inprocess-restart", "--standby-workers", "auto", ok], env=hidden, timeout=60)
+    assert res.rc == 0, res
+    assert "standby workers: off (auto: CUDA_VISIBLE_DEVICES='' hides every GPU" in res.err, res.err
+    res = launcher.run(["--inprocess-restart", "--standby-workers", "0", ok], timeout=60)
+    assert res.rc == 0 and "standby workers: off (--standby-workers 0)" in res.err, res
+    (tmp_path / "hpr_auto_mod.py").write_text("pass\n")
+    for flags in (["--inprocess-restart", "-m", "hpr_auto_mod"], [ok]):
+        res = launcher.run(flags, env=hidden, cwd=tmp_path, timeout=60)
+        assert res.rc == 0, res
 
 
 def test_missing_script(launcher, tmp_path):

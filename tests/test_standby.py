@@ -117,7 +117,9 @@ def test_no_standby_outlives_a_killed_agent(tmp_path):
 def test_standbys_need_an_in_process_restart_and_a_script():
     for flags, expected in ((["--standby-workers", "1"], "needs --inprocess-restart"),
                             (["--standby-workers", "1", "--inprocess-restart", "-m"], "needs a script entry point"),
-                            (["--standby-workers", "-1", "--inprocess-restart"], "--standby-workers")):
+                            (["--standby-workers", "-1", "--inprocess-restart"], "--standby-workers"),
+                            (["--standby-workers", "foo", "--inprocess-restart"],
+                             "--standby-workers 'foo': must be auto")):
         res = subprocess.run([HYPERPODRUN, "--nproc-per-node", "1", *flags, "train"], capture_output=True, text=True,
                              timeout=60)
         assert res.returncode == 2 and expected in res.stderr, res.stderr
