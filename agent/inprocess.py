@@ -53,6 +53,7 @@ class InProcess:
         self.events = events
         self.clock = clock
         self.ranks = {lr: RankState(lr, rdzv.rank_offset + lr) for lr in range(cfg.nproc_per_node)}
+        self.fault_step: Optional[int] = None   # the latest step this node saw in progress when a round began
         self.round: Optional[Round] = None
         self.ever_hello = False
         self.warm_started = False
@@ -137,9 +138,11 @@ class InProcess:
                                  level=logging.DEBUG)
         elif isinstance(msg, P.Restored):
             where = "at the new world size" if msg.source == "resized" else f"from {msg.source}"
+            seen = self.fault_step
+            lost = max(msg.lost_steps, seen - msg.step) if seen is not None else msg.lost_steps
             self.events.emit("state_restored", f"state restored at step {msg.step} {where} "
-                             f"({msg.lost_steps} step(s) to train again)", generation=msg.generation,
-                             step=msg.step, lost_steps=msg.lost_steps, source=msg.source)
+                             f"({lost} step(s) to train again)", generation=msg.generation,
+                             step=msg.step, lost_steps=lost, source=msg.source)
         elif isinstance(msg, P.Done):
             st.done_gen = max(st.done_gen, msg.generation)
             st.state = "done"
@@ -253,6 +256,12 @@ class InProcess:
         self.round = r = Round(target=target, t_detect=now, root=info, deadline=now + self.cfg.inprocess_timeout,
                                grace_at=now + self.grace)
         self.state.begin_round()
+        # the step the fault interrupted, as far as this node saw it (heartbeats, the fault's own report): a
+        # replacement process cannot say where its predecessor was, so the lost steps are checked against it
+        reached = [st.step for st in self.ranks.values() if st.step is not None]
+        if info.step is not None:
+            reached.append(info.step)
+        self.fault_step = max(reached) if reached else None
         if info.cause == "node joins":   # an elastic job grows: a round, but no fault
             self.events.emit("grow", f"elastic: {info.summary}", generation=self.state.generation, node=info.node)
         else:

@@ -343,7 +343,10 @@ class CheckpointManager:
         self._staged_step = None                    # the staging buffers are about to be overwritten
         slot = self._files.setdefault(path, io.SlotFile(path))
         view = slot.prepare(staged, pin=torch.cuda.is_available() and torch.cuda.is_initialized())
+        allocations = self._staging.allocations if self._staging is not None else 0
         copying.copy_now(view, staged, self._streams, self._staging if offload else None)
+        # mapping and registering a slot, allocating staging buffers: once per process, not a snapshot's cost
+        setup = slot.mapped_now or (self._staging is not None and self._staging.allocations != allocations)
 
         session = self._session
         generation = getattr(self._caller, "iteration", 0)
@@ -382,7 +385,8 @@ class CheckpointManager:
             if staging_used:
                 self._staged_step = step
             if self._budgeted:
-                self._budget.snapshot_cost(host_s + self._waited + copying.staging_seconds(staged))
+                if not setup:
+                    self._budget.snapshot_cost(host_s + self._waited + copying.staging_seconds(staged))
                 self._budget.in_flight(self._since_snapshot)
                 self._report_interval()
             if self._peers is not None:

@@ -109,10 +109,13 @@ class SlotFile:
         self._map: Optional[mmap.mmap] = None
         self._size = 0
         self._registered: Optional[int] = None
+        #: whether the last prepare() mapped (and registered) the file: a one-time cost, not a snapshot's
+        self.mapped_now = False
 
     def prepare(self, staged: Staged, pin: bool) -> memoryview:
         """Size and map the file for `staged` and mark it incomplete; returns the whole mapping."""
         size = HEADER_LEN + aligned(len(staged.meta)) + staged.data_len
+        self.mapped_now = False
         if self._map is None and pin:
             pre = pinned_read.take(self.path)   # mapped and registered ahead by the standby this rank was
             if pre is not None and pre.size >= size:
@@ -129,6 +132,7 @@ class SlotFile:
             finally:
                 os.close(fd)
             self._size = size
+            self.mapped_now = True
             if pin:
                 self._registered = pinned_read.register(self._map, read_only=False, what=f"snapshot slot {self.path}")
         assert self._map is not None
