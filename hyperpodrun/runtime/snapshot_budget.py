@@ -11,8 +11,10 @@ measured cost within `max_overhead` of the measured step:
     interval = ceil((snapshot cost - call cost) / (max_overhead * step - call cost))
 
 snapshot cost: the host time of a save() that snapshots plus the time the next optimizer step waited for its
-copy, plus the device time of its staging copy; call cost: the host time of a save() that only certifies; step:
-the time between save() calls. All are running means of what this process measured, so the interval follows
+copy, plus the device time of its staging copy, plus what the steps run while it is in flight lose to it (its
+device->host copy and checksum share the host's and the device's bandwidth with the training: the steps with
+a snapshot in flight against those without, times the steps it is in flight); call cost: the host time of a
+save() that only certifies; step: the time between save() calls without a snapshot in flight. All are running means of what this process measured, so the interval follows
 the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one is due is
 not waited for: that call only certifies (coalesced).
 
@@ -36,20 +38,30 @@ class OverheadBudget:
 
     def __init__(self, max_overhead: Optional[float]) -> None:
         self.max_overhead = max_overhead
-        self.step_s: Optional[float] = None       # time between save() calls
+        self.step_s: Optional[float] = None       # time between save() calls, no snapshot in flight
+        self.busy_step_s: Optional[float] = None  # the same with a snapshot in flight
         self.call_s: Optional[float] = None       # host time of a save() that only certifies
         self.snapshot_s: Optional[float] = None   # host + waited + staging time of a snapshot
         self.in_flight_steps = 0                  # the most save() calls a snapshot was seen in flight
+        self.mean_in_flight: Optional[float] = None
         self.interval = 1
         self._last_call: Optional[float] = None
+        self._busy = False
 
     def call_started(self) -> float:
         """A save() call begins: the time since the previous one is a step (restarts reset it)."""
         now = time.perf_counter()
         if self._last_call is not None:
-            self.step_s = _mean(self.step_s, now - self._last_call)
+            if self._busy:
+                self.busy_step_s = _mean(self.busy_step_s, now - self._last_call)
+            else:
+                self.step_s = _mean(self.step_s, now - self._last_call)
         self._last_call = now
         return now
+
+    def call_ended(self, in_flight: bool) -> None:
+        """A save() call returns, with a snapshot in flight or not: the step that follows runs beside it."""
+        self._busy = in_flight
 
     def restarted(self) -> None:
         """The wrapped function runs again: the time until the next save() is no step."""
@@ -67,13 +79,18 @@ class OverheadBudget:
     def in_flight(self, calls: int) -> None:
         """A snapshot was sealed `calls` save() calls after its own."""
         self.in_flight_steps = max(self.in_flight_steps, calls)
+        self.mean_in_flight = _mean(self.mean_in_flight, float(max(1, calls)))
 
     def _update(self) -> None:
-        if self.max_overhead is None or self.step_s is None or self.snapshot_s is None:
+        step = self.step_s if self.step_s is not None else self.busy_step_s
+        if self.max_overhead is None or step is None or self.snapshot_s is None:
             return
         base = self.call_s or 0.0
-        room = self.max_overhead * self.step_s - base
-        extra = max(0.0, self.snapshot_s - base)
+        room = self.max_overhead * step - base
+        beside = 0.0     # what the steps beside a snapshot in flight lose to it, once both kinds were measured
+        if self.step_s is not None and self.busy_step_s is not None:
+            beside = max(0.0, self.busy_step_s - self.step_s) * (self.mean_in_flight or 1.0)
+        extra = max(0.0, self.snapshot_s + beside - base)
         if room <= 0:
             self.interval = MAX_INTERVAL
         else:

@@ -43,8 +43,6 @@ class DeviceStaging:
 
     def __init__(self) -> None:
         self._buffers: list[Any] = []
-        #: buffers allocated so far (a one-time cost: the budget does not count a snapshot that allocated)
-        self.allocations = 0
 
     def buffer(self, index: int, src: Any) -> Any:
         """The staging buffer for the `index`-th deferred device tensor of a save, shaped like `src`."""
@@ -54,7 +52,6 @@ class DeviceStaging:
         buf = self._buffers[index]
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.device != src.device:
             self._buffers[index] = buf = torch.empty_like(src, memory_format=torch.contiguous_format)
-            self.allocations += 1
         return buf
 
     def trim(self, count: int) -> None:
