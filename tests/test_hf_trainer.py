@@ -163,6 +163,28 @@ def test_trainer_recovers_bitwise_exact(tmp_path, reference, config, faults):
 
 
 @pytest.mark.slow
+def test_a_model_built_outside_keeps_its_live_state(tmp_path, reference):
+    """The model built once outside the wrapped function; the Trainer, its optimizer and DDP are made again in
+    every generation. An exception in training_step: no rank copies its state back (the model holds the step's
+    values, the new optimizer is given the previous one's state tensors), nothing is trained again, and the run
+    ends bitwise equal to the fault-free one."""
+    nproc, env = CONFIGS["A"]
+    rank, step = _rng.randrange(4), _rng.randrange(2, 7)
+    spec = f"raise:{rank}:{step}:0"
+    rc, out, err = hyperpodrun(tmp_path, "outside", nproc, {**env, "FAULTS": spec, "MODEL_OUTSIDE": "1"})
+    info = f"FAULTS={spec} seed={SEED}\n{err[-3000:]}"
+    assert rc == 0, info
+    how = {}
+    for r in range(nproc):
+        with open(os.path.join(out, f"restores.rank{r}")) as f:
+            how[r] = dict(line.split() for line in f)
+    assert all(how[r]["1"] == "live" for r in range(nproc)), f"{how}\n{info}"
+    restored = [e for e in events(tmp_path, "outside") if e["event"] == "state_restored"]
+    assert len(restored) == 1 and restored[0]["lost_steps"] == 0, f"{restored}\n{info}"
+    assert_same(reference("A"), out, nproc, info)
+
+
+@pytest.mark.slow
 def test_process_level_restart_resumes_from_local_snapshots(tmp_path, reference):
     """Without --inprocess-restart HPWrapper only calls the function: an exception mid-accumulation ends the
     workers, the launcher starts them again (--max-restarts), and the new processes restore from the snapshots

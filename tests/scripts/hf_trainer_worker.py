@@ -83,6 +83,10 @@ class Record(TrainerCallback):
     def __init__(self, generation: int) -> None:
         self.generation = generation
 
+    def on_train_begin(self, args, state, control, **kwargs):   # after the checkpointless callback's restore
+        with open(os.path.join(OUT_DIR, f"restores.rank{RANK}"), "a") as f:
+            f.write(f"{self.generation} {cm.restored_from}\n")
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         with open(os.path.join(OUT_DIR, f"logs{RANK}.txt"), "a") as f:
             f.write(json.dumps({"gen": self.generation, "step": state.global_step, "logs": logs}) + "\n")
@@ -104,15 +108,26 @@ def arguments() -> TrainingArguments:
 EARLY = arguments() if os.environ.get("EARLY_ARGS") == "1" else None
 
 
-@HPWrapper(checkpoint_manager=cm)
-def main(caller=None):
-    args = EARLY or arguments()
+def build_model():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          attention_dropout=0.1)
     model = LlamaForCausalLM(config)
     model.config._attn_implementation = "eager"
+    return model
+
+
+# MODEL_OUTSIDE=1: the model is built once, outside the re-executed function (the Trainer, its optimizer and
+# DDP wrapper are made again in every generation)
+OUTSIDE = build_model() if os.environ.get("MODEL_OUTSIDE") == "1" else None
+
+
+@HPWrapper(checkpoint_manager=cm)
+def main(caller=None):
+    args = EARLY or arguments()
+    model = OUTSIDE if OUTSIDE is not None else build_model()
+    torch.manual_seed(0)
     checkpointless = CheckpointlessTrainerCallback(checkpoint_manager=cm)
     trainer = FaultyTrainer(model=model, args=args, train_dataset=Tokens(),
                             callbacks=[checkpointless, Record(caller.iteration)])
