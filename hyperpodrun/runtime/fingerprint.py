@@ -13,6 +13,9 @@ practice) are kept as a copy and compared exactly. restore() computes the same o
 now and compares bit for bit - the same kernels over the same tensor list give the same bits; a difference
 only ever costs a copy back, never a wrong keep.
 
+On the host (CPU tensors) the fingerprint is instead the exact sum (modulo 2**64) of each tensor's 64-bit words
+(or 32-, 16-, 8-bit where its size does not divide): one read, no cast, and any change of any one word shows.
+
 What it catches: every change made by training arithmetic, an optimizer step (even one cut short), `copy_`,
 `fill_`, `zero_`, a scaled or shifted tensor, and a change of a single element: the float64 sum of squares
 moves by 2*x*d for a change d of an element x, which shows unless it is below the sum's rounding (about 1e-16
@@ -112,9 +115,26 @@ def _layout(tensors: Sequence[Any]) -> list[tuple]:
     return [(tuple(_local(t).shape), _local(t).dtype, _local(t).device) for t in tensors]
 
 
+def _words(t: Any) -> Any:
+    """A tensor's bytes as the widest integer words they divide into."""
+    import torch
+    flat = t.reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return flat.new_zeros(1, dtype=torch.int32)
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if nbytes % size == 0 and flat.element_size() <= size:
+            return flat.view(dtype)
+    return flat.view(torch.uint8)
+
+
 def _group_print(ts: list[Any], dtype: Any) -> Any:
     """One tensor holding the fingerprint of same-device, same-dtype tensors `ts` (in order)."""
     import torch
+    if ts and ts[0].device.type == "cpu" and dtype in _normed() + (torch.float64,):
+        # on the host the float64 norms are a slow path (a cast of every tensor first: 0.7 s for 512 MiB);
+        # exact sums of each tensor's words cost a read (25x faster) and see any change of any one word
+        return torch.stack([_words(t).sum(dtype=torch.int64) for t in ts])   # int64 words: wraps, exactly
     if dtype in _normed():
         return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64))
     if dtype == torch.float64:
