@@ -99,8 +99,8 @@ def test_lightning_run_recovers_bitwise_exact(tmp_path, reference, accum, steps,
 def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference):
     """The LightningModule built once outside the wrapped function; the Trainer, DDP and the optimizers are made
     again in every generation. An exception between backward and the optimizer step: no rank copies its state
-    back - the module holds the step's values, the new optimizer is given the previous one's state tensors -
-    and the run ends bitwise equal to the fault-free one."""
+    back from a slot - the module holds the step's values, the new optimizer is given the previous one's state
+    tensors - and the run ends bitwise equal to the fault-free one."""
     rank, step = _rng.randrange(4), _rng.randrange(3, 9)
     spec = f"raise:{rank}:{step}:prestep"
     rc, out, err = run_job(tmp_path, "outside", {"STEPS": "12", "FAULTS": spec, "MODEL_OUTSIDE": "1"})
@@ -110,9 +110,14 @@ def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference):
     for r in range(4):
         with open(os.path.join(out, f"restores.rank{r}")) as f:
             how[r] = dict(line.split() for line in f)
-    assert all(how[r]["1"] == "live" for r in range(4)), f"{how}\n{info}"
+    # the others may have completed the step before the restart reached them (the raise comes after the
+    # gradient all-reduce): then the raising rank gets that step from a replica's live tensors - still no copy
+    # from a slot, and nothing trained again
+    assert all(how[r]["1"] == "live" for r in range(4) if r != rank), f"{how}\n{info}"
+    assert how[rank]["1"] in ("live", "replica"), f"{how}\n{info}"
     restored = [e for e in events(tmp_path, "outside") if e["event"] == "state_restored"]
-    assert [(e["step"], e["lost_steps"]) for e in restored] == [(step, 0)], f"{restored}\n{info}"
+    assert len(restored) == 1 and restored[0]["step"] in (step, step + 1), f"{restored}\n{info}"
+    assert restored[0]["lost_steps"] == 0, f"{restored}\n{info}"
     assert_same(reference("1", "12"), out, info)
 
 
