@@ -154,22 +154,24 @@ def test_unsupported_state_fails_at_save_naming_type_and_place(env):
 
 def test_checksum_is_always_on_and_a_bad_or_missing_one_is_never_restored(env):
     """enable_checksum=False (the old default) still checksums: a corrupted slot, or one whose checksum
-    was cleared, is skipped and the other slot is used."""
-    cm = CheckpointManager(enable_checksum=False, shm_dir=str(env))
+    was cleared, is skipped and the other slot is used - also a slot this process sealed itself, once it was
+    written since (reuse_live=False: the live values of step 3 would otherwise be restored, from no slot)."""
+    cm = CheckpointManager(enable_checksum=False, shm_dir=str(env), reuse_live=False)
     t = torch.zeros(1000)
     cm.save(1, {"t": t})
     cm.save(2, {"t": t + 2})
-    cm.save(3, {"t": t + 3})          # slot1: step 3, slot0: step 2
-    slot1 = os.path.join(cm.slot_dir(), "slot1")
-    data = bytearray(open(slot1, "rb").read())
+    cm.save(3, {"t": t + 3})          # the slots alternate: one holds step 3, the other step 2
+    from hyperpodrun.runtime import snapshot_io
+    holding = {snapshot_io.header(open(p, "rb").read(), p)[0]: p
+               for p in (os.path.join(cm.slot_dir(), f"slot{i}") for i in (0, 1))}
+    data = bytearray(open(holding[3], "rb").read())
     data[-100] ^= 0x01                # one bit of the tensor data
-    open(slot1, "wb").write(bytes(data))
+    open(holding[3], "wb").write(bytes(data))
     state = {"t": None}
     assert cm.restore(state) == 2 and torch.equal(state["t"], t + 2)
-    slot0 = os.path.join(cm.slot_dir(), "slot0")
-    data = bytearray(open(slot0, "rb").read())
+    data = bytearray(open(holding[2], "rb").read())
     data[16:20] = b"\0\0\0\0"         # the checksum field: no flag makes a slot "unchecked"
-    open(slot0, "wb").write(bytes(data))
+    open(holding[2], "wb").write(bytes(data))
     assert cm.restore({"t": None}) is None
 
 
