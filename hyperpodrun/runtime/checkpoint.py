@@ -160,6 +160,8 @@ class CheckpointManager:
         self.peer_copy = peer_copy
         self.reuse_live = reuse_live
         self._live: Optional[LiveState] = None          # the newest save() call, as the objects still hold it
+        self._live_generation = 0                       # the generation that save() call was made in
+        self._reported: Optional[tuple[int, int]] = None   # the interval and bound last logged
         #: how this rank's last restore() got its state: "live" (its own objects, nothing copied), "shm",
         #: "replica", "peer", "disk", or None (a fresh start)
         self.restored_from: Optional[str] = None
@@ -403,7 +405,7 @@ class CheckpointManager:
 
     def _report_interval(self) -> None:
         interval, bound = self._budget.interval, self._budget.retrain_bound
-        if (interval, bound) != getattr(self, "_reported", None):
+        if (interval, bound) != self._reported:
             self._reported = (interval, bound)
             log.info("rank %d: snapshots every %d step(s) (a snapshot costs %.1f ms, a step %.1f ms, budget %.1f %%); "
                      "every save() certifies the live state; a SIGKILL without a live replica retrains at most %d "
@@ -417,7 +419,7 @@ class CheckpointManager:
         if inflight is not None and "final" not in inflight[1]:
             inflight[1]["final"] = copying.data_final(inflight[0])
         live = self._live
-        if live is not None and getattr(self, "_live_generation", 0) >= getattr(self._caller, "iteration", 0) \
+        if live is not None and self._live_generation >= getattr(self._caller, "iteration", 0) \
                 and not live.final():
             self._live = None      # its values were still being computed: whatever the abort left is no step
         elif live is not None and not live.release_if_short():
