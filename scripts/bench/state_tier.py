@@ -34,7 +34,8 @@ of the wrapped function; time.time() after the compute stream is synchronised):
     fault -> function entered again, -> state in place (after restore()), -> first step done;
   - steps retrained per fault (the step in progress at the fault minus the step the next generation started
     from, at least 0) and what restore() did on each rank (CheckpointManager.restored_from, restore_phases);
-  - the steady step: the median interval between consecutive completed steps of a generation, leaving out
+  - the steady step: the mean interval between consecutive completed steps of a generation (the mean, not the
+    median: a snapshot every k steps costs some steps only, which a median hides; the median is kept too), leaving out
     the warm-up steps of the first generation, the first 2 steps of every later one (the first steps after a
     fault) and the step before each fault; its ratio to the `none` row of the same fault kind (with
     --kind none: the cost of save() after every step with the default CheckpointManager());
@@ -410,7 +411,8 @@ def analyse(recs: list[dict[str, Any]], nproc: int, events: list[dict[str, Any]]
         "retrained": [pf["retrained"] for pf in per_fault],
         "restored_from": dict(restored),
         "served_by": dict(Counter(s for pf in per_fault for s in pf["served_by"] if s)),
-        "steady_step_s": statistics.median(intervals) if intervals else None,
+        "steady_step_s": statistics.mean(intervals) if intervals else None,
+        "steady_step_median_s": statistics.median(intervals) if intervals else None,
         "steady_n": len(intervals), "steps_completed": len(steps),
     }
 
@@ -445,7 +447,7 @@ def table(summary: dict[str, Any]) -> str:
              f"{meta['nproc']} rank(s). Faults per job: {meta['faults']}, in generation g after "
              f"{meta['fault_every']} + g % 3 completed steps (and {meta['warmup']} warm-up steps first). Rows "
              "readme/inside/bare call `save(step + 1, state)` after every step. Seconds; median (min-max) over the "
-             "faults; \"NVRx / this\": NVRx's median over this row's; \"vs `none`\": this row's steady step over "
+             "faults; \"NVRx / this\": NVRx's median over this row's; \"vs `none`\": this row's mean steady step over "
              "the `none` row's in the same table.", ""]
     for model, m in summary["models"].items():
         jobs = m["jobs"]
