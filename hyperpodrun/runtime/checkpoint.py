@@ -773,7 +773,6 @@ def _file_key(path: str) -> Optional[tuple]:
 def _room_for_staging(staged: io.Staged) -> bool:
     """Whether every device holding deferred tensors of `staged` has room for a copy of them: free to the
     driver plus cached but unused by torch, less a tenth of the device for the training's own peaks."""
-    import torch
     need: dict[Any, int] = {}
     for src, ref, deferred in staged.tensors:
         if deferred and getattr(src, "is_cuda", False):
@@ -781,15 +780,10 @@ def _room_for_staging(staged: io.Staged) -> bool:
     if not need:
         return False
     for device, nbytes in need.items():
-        try:
-            free, total = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        except RuntimeError as exc:
-            log.info("no device staging (%s)", exc)
-            return False
-        if free + cached - total // 10 < nbytes:
+        room = copying.free_bytes(device)
+        if room < nbytes:
             log.info("no device staging on %s: %.1f GiB of state, %.1f GiB free", device, nbytes / 2**30,
-                     (free + cached) / 2**30)
+                     room / 2**30)
             return False
     log.info("snapshots staged on the device (%.1f GiB of device buffers)", sum(need.values()) / 2**30)
     return True

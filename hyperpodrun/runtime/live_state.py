@@ -29,6 +29,7 @@ import copy
 from typing import Any, Mapping, Optional
 
 from hyperpodrun.runtime.fingerprint import Fingerprint
+from hyperpodrun.runtime.snapshot_copy import free_bytes
 from hyperpodrun.runtime.state_dicts import state_dict_of
 
 
@@ -141,16 +142,15 @@ class LiveState:
         `streams`: a SideStream for the device fingerprints (None: the current stream)."""
         self.step = step
         tensors: list = []
-        self._entries = {name: _Entry(kind, saved, tensors) for name, (kind, saved) in payload["state"].items()}
+        self._entries: dict[str, _Entry] = {}
+        self._spans: dict[str, tuple[int, int]] = {}    # each entry's tensors in `tensors`
+        for name, (kind, saved) in payload["state"].items():
+            first = len(tensors)
+            self._entries[name] = _Entry(kind, saved, tensors)
+            self._spans[name] = (first, len(tensors))
         self._rest = {k: v for k, v in payload.items() if k != "state"}
         self.print = Fingerprint(tensors, streams)
         self._refs: Optional[list] = tensors
-        self._spans: dict[str, tuple[int, int]] = {}
-        at = 0
-        for name, entry in self._entries.items():
-            n = sum(1 for _ in _slots(entry.skeleton))
-            self._spans[name] = (at, at + n)
-            at += n
         #: after payload_for: whether some object was given the values from the previous generation's tensors
         self.handed_over = False
 
@@ -224,27 +224,11 @@ def _is_module(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module)
 
 
-def _slots(skel: Any) -> Any:
-    if isinstance(skel, _Slot):
-        yield skel
-    elif isinstance(skel, dict):
-        for v in skel.values():
-            yield from _slots(v)
-    elif isinstance(skel, (list, tuple)):
-        for v in skel:
-            yield from _slots(v)
-
-
 def _free_bytes(device: Any) -> int:
-    """Memory free for new tensors on `device`: on a GPU what the driver has free plus what torch's caching
-    allocator holds unused, less a tenth of the device; on the host what the kernel calls available."""
+    """Memory free for new tensors on `device` (snapshot_copy.free_bytes); on the host what the kernel calls
+    available."""
     if getattr(device, "type", "cpu") == "cuda":
-        import torch
-        try:
-            free, total = torch.cuda.mem_get_info(device)
-            return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - total // 10
-        except RuntimeError:
-            return 0
+        return free_bytes(device)
     try:
         import psutil
         return int(psutil.virtual_memory().available)

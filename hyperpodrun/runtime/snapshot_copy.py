@@ -66,6 +66,18 @@ class DeviceStaging:
         return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
 
 
+def free_bytes(device: Any) -> int:
+    """Memory a GPU has for new tensors: free to the driver plus cached but unused by torch's allocator, less a
+    tenth of the device for the training's own peaks (0 where CUDA cannot say). Whether staging buffers fit,
+    and whether a survivor may hold the previous generation's tensors while objects are built again."""
+    import torch
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - total // 10
+    except RuntimeError:
+        return 0
+
+
 def _dst(view: memoryview, staged: Staged, ref: TensorRef) -> Any:
     import torch
     start = HEADER_LEN + aligned(len(staged.meta)) + ref.offset
@@ -234,4 +246,4 @@ def data_final(staged: Staged) -> bool:
         return False
 
 
-__all__ = ["SideStream", "DeviceStaging", "copy_now", "finish_copies", "data_final", "staging_seconds", "PIECE"]
+__all__ = ["SideStream", "DeviceStaging", "free_bytes", "copy_now", "finish_copies", "data_final", "staging_seconds", "PIECE"]
