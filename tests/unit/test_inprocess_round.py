@@ -321,3 +321,20 @@ def test_a_failure_at_another_step_starts_the_count_again():
         h.tick()
         assert h.phase is Phase.RUNNING and h.state.generation == gen
     assert not h.sink.named("step_keeps_failing")
+
+
+def test_lost_steps_reported_are_those_trained_again_even_when_no_process_knows() -> None:
+    """A rank SIGKILLed in step 9 (its heartbeat said so) and a replacement that restores step 4: the replacement
+    cannot know where its predecessor was and says 0 steps lost - the agent, which saw step 9 in progress when the
+    round began, reports the 5 steps the job trains again."""
+    h = running()
+    h.beat(0, 0, step=9, seq=1)
+    h.beat(1, 0, step=9, seq=1)
+    h.exit(0, -signal.SIGKILL)
+    h.hello(0)
+    h.ready_all(1)
+    h.tick()
+    h.send(0, P.Restored(rank=0, pid=h.proc(0).pid, generation=1, step=4, lost_steps=0, source="memory"))
+    restored = h.sink.named("state_restored")
+    assert [(e["step"], e["lost_steps"]) for e in restored] == [(4, 5)], restored
+    assert "5 step(s) to train again" in restored[0]["msg"]
