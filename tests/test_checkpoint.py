@@ -179,6 +179,22 @@ def test_corrupt_snapshot_is_detected_and_never_used(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_killed_ranks_rotten_slot_is_caught_after_its_copy_and_the_round_retried(tmp_path, reference):
+    """A replacement sums its predecessor's newest slot beside copying out of it (not before): a slot whose
+    byte went bad after it was sealed is caught when the copy is done, removed, and the generation fails like
+    any exception; the next round restores without it (from a DDP replica), and the end is bitwise exact."""
+    rc, out, err = run_job(tmp_path, "rot", "ddp", "rot-kill:1:5:top")
+    assert rc == 0, err[-3000:]
+    rotted = int(open(os.path.join(out, "rotted.rank1")).read())
+    assert "checksum mismatch" in err and "the slot was removed" in err, err[-3000:]
+    got = restores(out)
+    assert max(got[1]) >= 2, f"the round with the rotten slot was not retried: {got}"
+    restored = [e for e in events(tmp_path, "rot") if e["event"] == "state_restored"]
+    assert restored and restored[-1]["step"] == rotted, restored
+    assert_same(reference("ddp"), out)
+
+
+@pytest.mark.slow
 def test_state_lost_ends_with_documented_code_never_step_zero(tmp_path):
     rc, out, err = run_job(tmp_path, "lost", "allreduce", "wipe-kill:2:4:top")
     assert rc == 75, err[-3000:]

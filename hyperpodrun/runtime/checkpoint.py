@@ -49,6 +49,7 @@ from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime import snapshot_copy as copying
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
 from hyperpodrun.runtime.peer_copy import PeerCopies, peer_of
+from hyperpodrun.runtime.slot_verify import VerifyAlongside
 from hyperpodrun.runtime.pinned_read import DeviceReadable
 from hyperpodrun.runtime.restore_plan import Inventory, find_snapshots, gather, map_private, plan_restore
 from hyperpodrun.runtime.live_state import LiveState
@@ -510,7 +511,8 @@ class CheckpointManager:
         trusted = {path: step for path, (step, key) in self._sealed.items()
                    if os.path.dirname(path) == self.slot_dir() and key is not None and key == _file_key(path)}
         unverified: set[str] = set()
-        shm = find_snapshots(self._ensure_dir(), trusted, unverified)
+        deferred: set[str] = set()     # the newest slot not sealed here: summed beside its copy (slot_verify.py)
+        shm = find_snapshots(self._ensure_dir(), trusted, unverified, deferred)
         self._slot_steps = {path: found for found, path in shm.items()}
         disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
         copies = self._peers.held() if self._peers is not None else {}
@@ -579,19 +581,42 @@ class CheckpointManager:
             verified = data is None and path not in unverified
             slot = DeviceReadable(path, pin=_has_cuda_tensors(state), mapped=own.mapping if own else None) \
                 if data is None else None
+            what = f"snapshot of step {step}"
+            alone_again = False
+            alongside = VerifyAlongside(slot.map, what, step) if slot is not None and path in deferred else None
             try:
                 try:
-                    _, payload = io.decode(slot.map if slot is not None else data, f"snapshot of step {step}",
-                                           verify=not verified, copy=False)
+                    _, payload = io.decode(slot.map if slot is not None else data, what,
+                                           verify=not verified and alongside is None, copy=False)
+                    phase("open")
+                    self._load(payload, state, non_blocking=slot is not None and slot.pinned)   # copies out of it
+                    if alongside is not None:
+                        alongside.result()
+                        phase("checksum")
                 except SnapshotCorrupt as exc:
-                    raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step {step}") \
-                        from exc
-                phase("open")
-                self._load(payload, state, non_blocking=slot is not None and slot.pinned)   # copies out of it
+                    if alongside is None:
+                        raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of its state at step "
+                                             f"{step}") from exc
+                    # what was copied out is overwritten by the next restore, which no longer sees the slot: at
+                    # once when this rank is alone, else in the next round (its peers planned with this step)
+                    self._drop_slot(path)
+                    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                        log.error("rank %d: %s; the slot was removed, restoring without it", self.rank, exc)
+                        alone_again = True
+                    else:
+                        raise SnapshotCorrupt(f"rank {self.rank}: {exc}; the slot was removed and the restore is "
+                                              "tried again without it") from exc
             finally:
                 payload = None
+                if alongside is not None:
+                    try:
+                        alongside.result()
+                    except BaseException:
+                        pass
                 if slot is not None:
                     slot.close()
+            if alone_again:
+                return self.restore(state)
             self.restored_from = source
         phase("load")
         self.last_saved = step

@@ -64,7 +64,7 @@ def map_private(path: str) -> mmap.mmap:
 
 
 def find_snapshots(directory: str, trusted: Optional[Mapping[str, int]] = None,
-                   unverified: Optional[set[str]] = None) -> dict[int, str]:
+                   unverified: Optional[set[str]] = None, deferred: Optional[set[str]] = None) -> dict[int, str]:
     """step -> path of every complete, intact snapshot in `directory` (bad ones are skipped, loudly).
 
     trusted: path -> step of slots this process sealed itself and still holds; only their header is read
@@ -72,7 +72,9 @@ def find_snapshots(directory: str, trusted: Optional[Mapping[str, int]] = None,
     unverified: given, the slots are taken newest first and only until one is intact (or trusted) is a
     checksum summed; each older complete slot gets its header read and its path added to the set - whoever
     reads it then verifies it (its step is there for the plan, and is seldom the one restored: the summing of
-    a 6.4 GB slot that nobody reads cost 0.3-0.5 s per restore)."""
+    a 6.4 GB slot that nobody reads cost 0.3-0.5 s per restore).
+    deferred: given, the newest slot is not summed here either: its header is read and its path added; whoever
+    restores it sums it while copying out of it (slot_verify.py) and drops it when the sum fails."""
     found: dict[int, str] = {}
     if not os.path.isdir(directory):
         return found
@@ -93,6 +95,8 @@ def find_snapshots(directory: str, trusted: Optional[Mapping[str, int]] = None,
                     raise SnapshotCorrupt(f"{path}: holds step {step}, not the step {trusted[path]} sealed there")
             elif settled and unverified is not None:
                 unverified.add(path)
+            elif deferred is not None:
+                deferred.add(path)
             else:
                 pre = prepinned(path)      # a standby's mapping, already populated; else read whole: no fault per page
                 step = io.verify(pre.map if pre is not None else map_readonly(path, populate=True), path)

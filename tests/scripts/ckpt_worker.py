@@ -2,7 +2,8 @@
 
 Deterministic (data indexed by step and rank, fixed seeds); saves state after every optimizer step with
 CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-separated list of
-`kind:rank:step:where` fired once in generation `gen` (kind kill|raise|park - park: write OUT_DIR/park.<rank>
+`kind:rank:step:where` fired once in generation `gen` (kind kill|raise|park|rot-kill - rot-kill: flip a byte of
+the rank's newest sealed slot, then SIGKILL; park: write OUT_DIR/park.<rank>
 with the pid and sleep until killed, so that a test can end the process its own way; where: top|allreduce|prestep|poststep, poststep: after the optimizer step, before the
 save). OUT_DIR/restores.rank<r> says per generation how the rank got its state (CheckpointManager.restored_from),
 OUT_DIR/via.rank<r> how a replica peer sent it (restored_via: live, slot or None). REUSE_LIVE=0: reuse_live=False.
@@ -77,6 +78,9 @@ def maybe_fault(where, step, rank, generation):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "rot-kill":   # a byte of the rank's newest sealed slot goes bad, then the rank dies
+                _rot_newest_slot()
+                os.kill(os.getpid(), signal.SIGKILL)
             if kind in ("poke", "inplace"):   # the state changes between its save and the restore, then a raise
                 first = next(iter(current["params"]))
                 if kind == "poke":
@@ -91,6 +95,29 @@ def maybe_fault(where, step, rank, generation):
                 while True:
                     time.sleep(1)
             raise RuntimeError(f"injected {kind} at step {step} ({where})")
+
+
+def _rot_newest_slot() -> None:
+    """Flip one byte of the tensor data in this rank's newest sealed slot (its checksum no longer matches)."""
+    from hyperpodrun.runtime import snapshot_io
+    cm.wait()
+    newest = None
+    for name in os.listdir(cm.slot_dir()):
+        path = os.path.join(cm.slot_dir(), name)
+        try:
+            with open(path, "rb") as fh:
+                step = snapshot_io.header(fh.read(), path)[0]
+        except Exception:
+            continue
+        if newest is None or step > newest[0]:
+            newest = (step, path)
+    with open(newest[1], "r+b") as fh:
+        fh.seek(-10, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-10, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with open(os.path.join(OUT_DIR, f"rotted.rank{os.environ['RANK']}"), "w") as fh:
+        fh.write(str(newest[0]))
 
 
 def _progress(rank: int) -> int:
