@@ -333,6 +333,8 @@ class CheckpointManager:
             elif isinstance(obj, torch.nn.Module):
                 stable.update(local_ptr(p) for p in obj.parameters())
         offload = self._offloaded
+        if self._budgeted:
+            payload["cadence"] = self._budget.export()   # a replacement starts from these (OverheadBudget.seed)
         try:
             staged = io.plan(step, payload, stable, offload)
         except UnsupportedStateError as exc:
@@ -732,6 +734,10 @@ class CheckpointManager:
         if payload.get("ddp_layouts"):
             self._layouts.restore(payload["ddp_layouts"])
         set_rng_state(payload["rng"])
+        if self._budget.seed(payload.get("cadence")):
+            # the restored step is in a slot already: the next snapshot is due after the predecessor's interval,
+            # not at this process's first save() (which would map a slot inside the first step after recovery)
+            self._since_snapshot = 0
 
     def _load_live(self, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         """Put back what a save kept outside the tensors (hyper-parameters, values, RNG). The tensors hold the

@@ -15,12 +15,13 @@
 # job's worker records, launcher console and hyperpodrun event log).
 #   OUT=bench-out bash scripts/bench/gpu_state_tier.sh
 #   MODELS=gpt FAULTS=3 OUT=bench-out bash scripts/bench/gpu_state_tier.sh      # a part of it
+#   KINDS=kill OUT=bench-out bash scripts/bench/gpu_state_tier.sh               # only the SIGKILL rows
 set -uo pipefail
 OUT="${OUT:-bench-out}"
 source scripts/bench/gpu_env.sh
 W="${BENCH_DIR:-/tmp/hpr-state-tier}"
 rm -rf "$W" && mkdir -p "$W"
-common=(--size 1b --nproc "${NPROC:-1}" --kinds none,raise,kill --only none=none,readme,inside,bare
+common=(--size 1b --nproc "${NPROC:-1}" --kinds "${KINDS:-none,raise,kill}" --only none=none,readme,inside,bare
         --only kill=none,readme,inside --faults "${FAULTS:-5}" --fault-every "${FAULT_EVERY:-4}" --warmup 4
         --tail 3 --steady-steps "${STEADY_STEPS:-20}" --job-timeout "${JOB_TIMEOUT:-75}" --arm-timeout 10)
 {

@@ -106,3 +106,48 @@ def test_a_budgeted_manager_snapshots_every_kth_call_and_keeps_live_steps(tmp_pa
     assert cm.restore(state) == 10 and cm.restored_from == "shm"
     assert torch.allclose(model.weight, at_11 - 0.01)
     cm.close()
+
+
+def test_a_seeded_budget_takes_only_sane_values_and_never_overrides_its_own() -> None:
+    b = OverheadBudget(0.02)
+    assert not b.seed({"snapshot_s": float("nan"), "step_s": -1.0, "call_s": True})
+    assert b.seed({"step_s": 0.1, "call_s": 0.0, "snapshot_s": 0.006})
+    assert b.interval == 3
+    assert not b.seed({"step_s": 0.1, "call_s": 0.0, "snapshot_s": 0.05})   # measured already: kept
+    assert b.export() == {"step_s": 0.1, "call_s": 0.0, "snapshot_s": 0.006}
+
+
+def test_a_replacement_keeps_its_predecessors_cadence_instead_of_snapshotting_its_first_save(
+        tmp_path, monkeypatch) -> None:
+    """A process that restores a snapshot starts with the snapshot cadence its predecessor measured (carried in
+    the snapshot): its first save() after the restore certifies only - a snapshot there would map and register
+    a slot of its own inside the first step after the recovery - and the next snapshot comes one interval after
+    the restored one. Without the cadence it would snapshot at once."""
+    from hyperpodrun import CheckpointManager
+    monkeypatch.setenv("RANK", "0")
+    # whatever was measured, an interval of 3 once there is something to compute it from (the CPU's timings vary)
+    monkeypatch.setattr(OverheadBudget, "_update", lambda self: setattr(self, "interval", 3))
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model}
+    first = CheckpointManager(shm_dir=str(tmp_path))
+    first._on_gpu = True                    # budgeted as a GPU state is
+    for step in (1, 2, 3, 4):
+        with torch.no_grad():
+            model.weight.add_(0.01)
+        first.save(step, state)
+        first.wait()
+    assert first.last_saved == 4 and first.snapshot_interval == 3
+    first._files.clear()                    # the process is gone; its slots stay (as after a SIGKILL)
+
+    again = CheckpointManager(shm_dir=str(tmp_path))
+    assert again._budget.interval == 1                  # nothing measured yet
+    assert again.restore(state) == 4 and again.restored_from == "shm"
+    assert again._budget.interval == 3                  # the predecessor's measurements were taken
+    again._on_gpu = True
+    sealed = []
+    for step in (5, 6, 7, 8):
+        again.save(step, state)
+        again.wait()
+        sealed.append(again.last_saved)
+    assert sealed == [4, 4, 7, 7], sealed
+    again.close()
