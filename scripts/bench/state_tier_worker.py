@@ -53,6 +53,10 @@ Records (one JSON line each, appended and flushed to OUT/rank<r>.jsonl; time.tim
   {"ev": "fault"}    right before the raise / SIGKILL: `step` = the step in progress (its work is lost)
   {"ev": "end"}      the last generation returned
 """
+import logging
+import os as _os
+if _os.environ.get("BENCH_LOG_INFO"):       # diagnostics: the library's INFO lines (snapshots, restores) on stderr
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 import os
 import time
 
