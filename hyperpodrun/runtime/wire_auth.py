@@ -44,7 +44,10 @@ def _framed(part: Part) -> bytes:
 
 
 def feed(m: "hmac.HMAC", part: Any) -> None:
-    """Feed a bytes-like part to a running MAC, its length first (parts cannot be re-split)."""
+    """Feed a part (bytes-like, never copied; or a str or int, as text) to a running MAC, its length first
+    (parts cannot be re-split)."""
+    if isinstance(part, (str, int)):
+        part = str(part).encode()
     view = memoryview(part).cast("B")
     m.update(struct.pack("<Q", view.nbytes))
     m.update(view)
