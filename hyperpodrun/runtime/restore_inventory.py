@@ -11,8 +11,10 @@ it; the JSON is decoded strictly (UTF-8, no NaN, bounded nesting and number size
 UnicodeDecodeError and oversized numbers become ProtocolError); steps must be in 0 <= s < 2**63 and ranks in
 range(world). An inventory that fails any of this is *refused*: its sender counts as holding nothing, and
 the plan says so (restore_plan.py turns a state that then survives nowhere into a ProtocolError, retried in
-the next round, instead of StateLostError). Every rank checks every inventory, its own included, with the
-same key and bytes, so every rank reaches the same plan.
+the next round, instead of StateLostError). A rank whose inventory lacked the MAC is moreover sent no state
+(`Gathered.check_receivers`: the round is tried again), so a process without the key that sits in a rank's
+seat gets nothing from a replica. Every rank checks every inventory, its own included, with the same key and
+bytes, so every rank reaches the same plan.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Which committed step the ranks restore after a restart, and where each rank gets it from.
 
 Every rank lists what it holds (`Inventory`: steps in its own shared memory, on the disk fallback, and the
-copies it keeps of other ranks' slots); the lists are gathered on every rank and `plan_restore` - a pure
+copies it keeps of other ranks' slots); the lists are gathered on every rank (restore_inventory.py: MACed
+under the workers' key and bounded; a refused one counts as holding nothing) and `plan_restore` - a pure
 function, the same on every rank - picks the newest step that every rank can get from memory (its own, a
 replica peer's, a peer copy on another node), else the newest it can get from memory or disk, and which
 transfers bring it to the ranks that do not hold it. No such step: StateLostError (exit code 75), never a
