@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from hyperpodrun.errors import OutOfOrderError
+
 
 def view(t: Any) -> memoryview:
     """The bytes of a contiguous CPU tensor, in place (valid while `t` lives and is not resized)."""
@@ -16,7 +18,7 @@ def view(t: Any) -> memoryview:
     if n == 0:
         return memoryview(b"")
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("host_bytes.view needs a contiguous CPU tensor")
+        raise OutOfOrderError("host_bytes.view needs a contiguous CPU tensor (a bug in hyperpodrun)")
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 

@@ -73,10 +73,6 @@ class Gathered(NamedTuple):
                                 "job's MAC: nothing is sent to them; the restore is tried again next round")
 
 
-class Forged(ProtocolError):
-    """An inventory whose MAC does not verify."""
-
-
 def nothing() -> Inventory:
     """The inventory of a rank that holds nothing (what a refused inventory counts as)."""
     return {"shm": [], "disk": [], "latest": None, "copies": {}, "never_committed": False, "live": None,
@@ -90,7 +86,7 @@ def encode(mine: Inventory, channel: Channel, rank: int) -> bytes:
 
 
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a value an inventory holds")
+    raise ProtocolError(f"{name} is not a value an inventory holds")
 
 
 def _step(v: Any) -> bool:
@@ -121,6 +117,11 @@ def parse(raw: Any, rank: int, world: int) -> Inventory:
             "copies": held, "never_committed": never, "live": raw["live"], "at": raw["at"]}
 
 
+def authentic(blob: bytes, rank: int, channel: Channel) -> bool:
+    """Whether `blob` carries the MAC of an inventory that rank `rank` sent in this channel's generation."""
+    return len(blob) >= TAG_BYTES and channel.check(blob[:TAG_BYTES], "inventory", rank, -1, blob[TAG_BYTES:])
+
+
 def check(blob: bytes, rank: int, channel: Channel) -> Inventory:
     """The inventory rank `rank` sent as `blob` (encode's form); ProtocolError naming the rank when its tag
     does not verify (not sent by a holder of the workers' key as that rank, for this generation) or it does
@@ -128,12 +129,11 @@ def check(blob: bytes, rank: int, channel: Channel) -> Inventory:
     if len(blob) < TAG_BYTES or len(blob) > MAX_WIRE_BYTES:
         raise ProtocolError(f"rank {rank} sent a restore inventory of {len(blob)} bytes ({TAG_BYTES}.."
                             f"{MAX_WIRE_BYTES})")
-    tag, body = blob[:TAG_BYTES], blob[TAG_BYTES:]
-    if not channel.check(tag, "inventory", rank, -1, body):
-        raise Forged(f"rank {rank} sent a restore inventory without the job's MAC (from a process that does "
+    if not authentic(blob, rank, channel):
+        raise ProtocolError(f"rank {rank} sent a restore inventory without the job's MAC (from a process that does "
                             f"not hold the workers' key, or from another generation, run or rank)")
     try:
-        raw = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+        raw = json.loads(blob[TAG_BYTES:].decode("utf-8"), parse_constant=_no_constant)
     except (RecursionError, UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"rank {rank} sent a restore inventory that is not JSON: "
                             f"{type(exc).__name__}: {str(exc)[:200]}") from None
@@ -174,14 +174,15 @@ def gather(mine: Inventory, channel: Channel) -> Gathered:
                 raise ProtocolError(f"rank {rank} announced a restore inventory of {n} bytes ({TAG_BYTES}.."
                                     f"{MAX_WIRE_BYTES})")
             start = rank * buf.numel()
-            out.append(check(bytes(every[start:start + n]), rank, channel))
+            sent = bytes(every[start:start + n])
+            if not authentic(sent, rank, channel):
+                forged.add(rank)
+            out.append(check(sent, rank, channel))
         except ProtocolError as exc:
             refused[rank] = str(exc)
-            if isinstance(exc, Forged):
-                forged.add(rank)
             out.append(nothing())
             log.warning("%s: it is refused and counts as holding nothing", exc)
     return Gathered(out, refused, frozenset(forged))
 
 
-__all__ = ["Forged", "Gathered", "Inventory", "MAX_WIRE_BYTES", "check", "encode", "gather", "nothing", "parse"]
+__all__ = ["Gathered", "authentic", "Inventory", "MAX_WIRE_BYTES", "check", "encode", "gather", "nothing", "parse"]
