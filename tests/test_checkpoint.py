@@ -432,3 +432,60 @@ def test_node_loss_recovers_from_the_copy_on_another_node(tmp_path, reference):
     restored = [e for e in recs if e["event"] == "state_restored"]
     assert restored and restored[0]["source"] == "peer" and restored[0]["step"] >= 4, restored
     assert_same(reference("allreduce"), str(out))
+
+
+def _without_numpy(tmp_path) -> dict:
+    """Environment under which no process of the job (agent, workers, standbys) can import numpy: a
+    sitecustomize on PYTHONPATH puts a finder first on sys.meta_path that refuses it."""
+    hide = tmp_path / "no-numpy"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.abc, importlib.machinery, sys\n"
+        "class _Refuse(importlib.abc.Loader):\n"
+        "    def create_module(self, spec):\n"
+        "        raise ModuleNotFoundError(f'No module named {spec.name!r} (hidden by the test)', name=spec.name)\n"
+        "    def exec_module(self, module):\n"
+        "        pass\n"
+        "class _NoNumpy(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'numpy' or name.startswith('numpy.'):\n"
+        "            return importlib.machinery.ModuleSpec(name, _Refuse())\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, _NoNumpy())\n")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(hide), os.environ.get("PYTHONPATH")) if p)}
+
+
+@pytest.mark.slow
+def test_a_node_loss_with_replicas_finishes_exactly_without_numpy(tmp_path, reference):
+    """Ranks 2 and 3 lose their snapshots together (as when their node goes) with replica groups {0,2},{1,3},
+    and numpy cannot be imported anywhere in the job: their replicas stream them their state (no .numpy() on
+    the way) and the run ends bitwise equal to the fault-free run."""
+    rc, out, err = run_job(tmp_path, "nonumpy", "allreduce", "wipe-kill:2:4:top;wipe-kill:3:4:top",
+                           extra_env={"REPLICAS": "0,2/1,3", "FAULT_AFTER_PEERS_SAVED": "1", "STEP_SLEEP": "0.02",
+                                      **_without_numpy(tmp_path)})
+    assert rc == 0, err[-3000:]
+    restored = [e for e in events(tmp_path, "nonumpy") if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4, restored
+    how = restores(out)
+    assert how[2][1] == how[3][1] == "replica", how
+    assert_same(reference("allreduce"), out)
+
+
+@pytest.mark.slow
+def test_an_outsiders_newer_step_in_the_restore_inventory_is_refused(tmp_path, reference):
+    """After an exception on rank 0 at step 4, rank 1's seat sends an inventory claiming step 1000000 without
+    the workers' key (FORGE_INVENTORY): every rank refuses it, the plan would send rank 1 its state from a
+    replica, but nothing goes to a rank without the MAC - the round is tried again, and the next one restores
+    the true step. No rank ever restores step 1000000, and the run ends bitwise equal to the fault-free run."""
+    rc, out, err = run_job(tmp_path, "forged", "allreduce", "raise:0:4:top",
+                           extra_env={"REPLICAS": "0,1,2,3", "FORGE_INVENTORY": "1:1", "STEP_SLEEP": "0.02",
+                                      **_without_numpy(tmp_path)})
+    assert rc == 0, err[-3000:]
+    recs = events(tmp_path, "forged")
+    restored = [e for e in recs if e["event"] == "state_restored"]
+    assert restored and all(e["step"] <= 4 for e in restored), restored
+    assert "rank 1 sent a restore inventory without the job's MAC" in err, err[-3000:]
+    assert "rank(s) [1] would be sent state" in err, err[-3000:]
+    starts = {int(line.split()[1]) for r in range(4) for line in open(os.path.join(out, f"entries.rank{r}"))}
+    assert max(starts) <= 4, starts
+    assert_same(reference("allreduce"), out)

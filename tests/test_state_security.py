@@ -408,7 +408,8 @@ def test_a_fresh_start_refuses_state_this_rank_already_trained(env, monkeypatch)
     model = torch.nn.Linear(4, 4)
     cm.save(1, {"model": model})
     other = {"shm": [], "disk": [], "latest": None, "copies": {}, "never_committed": True, "live": None, "at": None}
-    monkeypatch.setattr(ckpt, "gather", lambda mine: [mine, other])
+    from hyperpodrun.runtime.restore_inventory import Gathered
+    monkeypatch.setattr(ckpt, "gather", lambda mine, channel: Gathered([mine, other], {}))
     with pytest.raises(StateLostError, match=r"\['model'\] are the objects this rank already trained"):
         cm.restore({"model": model})
     assert cm.restore({"model": torch.nn.Linear(4, 4)}) is None   # rebuilt: starts over

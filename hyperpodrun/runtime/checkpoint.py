@@ -38,13 +38,13 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from hyperpodrun import env as E
 from hyperpodrun import settings
-from hyperpodrun.errors import (ApiTypeError, ApiValueError, SnapshotCorrupt, StateLostError, StateMismatchError,
-                                UnsupportedStateError)
-from hyperpodrun.runtime import replicas, shm_runs
+from hyperpodrun.errors import (ApiTypeError, ApiValueError, ProtocolError, SnapshotCorrupt, StateLostError,
+                                StateMismatchError, UnsupportedStateError)
+from hyperpodrun.runtime import replicas, shm_runs, wire_auth
 from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime import snapshot_copy as copying
 from hyperpodrun.runtime.ddp_layout import LayoutKeeper
@@ -524,7 +524,11 @@ class CheckpointManager:
                            "never_committed": self._first_iteration == 0 and self.last_saved is None,
                            "live": live_step, "at": at if isinstance(at, int) else None}
         phase("find")
-        plan = plan_restore(gather(mine), lambda world: self._groups(state, world))
+        channel = wire_auth.current(getattr(self._caller, "iteration", None))
+        gathered = gather(mine, channel)
+        plan = plan_restore(gathered.inventories, lambda world: self._groups(state, world), gathered.refused)
+        if plan is not None:
+            gathered.check_receivers(plan.pairs)
         phase("plan")
         if plan is None:
             alive = [o for o in (ref() for ref in self._saved_objects) if o is not None]
@@ -549,13 +553,14 @@ class CheckpointManager:
         self.restored_via = None
         if plan.pairs and dist.is_available() and dist.is_initialized():
             from hyperpodrun.runtime import replica_stream
-            got = replica_stream.exchange(plan.pairs, self.rank, live_for, blob_for, replica_stream.placement(state))
+            got = replica_stream.exchange(plan.pairs, self.rank, live_for, blob_for, replica_stream.placement(state),
+                                          channel, step)
             if got is not None:
                 self.restored_via = got.via
                 if got.payload is not None:
                     streamed = got.payload
                 else:
-                    data = bytearray(got.blob)
+                    data = got.blob if isinstance(got.blob, bytearray) else bytearray(got.blob)
                     self._keep(step, got.blob)
         phase("transfer")
         if live is not None and live_step == step:
@@ -644,10 +649,15 @@ class CheckpointManager:
         self._live = None
         shm = find_snapshots(self._ensure_dir())
         self._slot_steps = {path: found for found, path in shm.items()}
-        everyone = gather({"shm": sorted(shm), "disk": [], "latest": self.last_saved, "copies": {},
-                           "never_committed": False, "live": None, "at": None})
+        channel = wire_auth.current(getattr(self._caller, "iteration", None))
+        gathered = gather({"shm": sorted(shm), "disk": [], "latest": self.last_saved, "copies": {},
+                           "never_committed": False, "live": None, "at": None}, channel)
+        everyone = gathered.inventories
         steps = set().union(*(set(e["shm"]) for e in everyone))
         if not steps:
+            if gathered.refused:
+                raise ProtocolError(f"the restore inventories of rank(s) {sorted(gathered.refused)} were refused and "
+                                    "no other rank holds a snapshot; tried again next round")
             return None
         groups = replicas.derived_groups(state, world) if world > 1 else [[0]]
         if self.replica_groups is not None or self.num_instances is not None or groups is None or \
@@ -661,9 +671,11 @@ class CheckpointManager:
         step = max(steps)
         holds = [set(e["shm"]) for e in everyone]
         pairs = replicas.plan_transfers([list(range(world))], holds, step)
+        gathered.check_receivers(pairs)
         data: Any = None
         if pairs:
-            received = replicas.transfer(pairs, self.rank, lambda receiver, kind: bytes(map_private(shm[step])))
+            received = replicas.transfer(pairs, self.rank, lambda receiver, kind: bytes(map_private(shm[step])),
+                                         channel, step)
             if received is not None:
                 data = bytearray(received)
         if data is None:
@@ -706,7 +718,7 @@ class CheckpointManager:
         except FileNotFoundError:
             pass
 
-    def _keep(self, step: int, blob: bytes) -> None:
+    def _keep(self, step: int, blob: Union[bytes, bytearray]) -> None:
         """Store a snapshot received from a peer as this rank's own slot, so it is held in memory again."""
         path = self._next_slot()
         self._sealed.pop(path, None)

@@ -12,28 +12,46 @@ same way. A peer without such live state, a copy held on another node ("peer" ki
 DTensors or non-dense tensors go the old way: the slot's bytes.
 
 Wire, per (donor, receiver, kind) pair of the restore plan, in the plan's order (every rank walks the
-same list, so the point-to-point calls pair up): an int64 header (path, n), then n bytes (uint8): the
-slot (path SLOT) or the metadata (path LIVE: the payload with each tensor replaced by a TensorRef whose
-offset is the tensor's index); then, for LIVE, the bytes of every non-empty tensor in index order. The
-donor picks the path and the header tells the receiver, so both sides always agree. On NCCL everything
-travels in CUDA tensors on the current device; tensors that live elsewhere (an optimizer's step counters
-on the host) go through a staging copy.
+same list, so the point-to-point calls pair up): a header (path, n) and its MAC tag, then n bytes and
+their tag: the slot (path SLOT) or the metadata (path LIVE: the payload with each tensor replaced by a
+TensorRef whose offset is the tensor's index); then, for LIVE, the bytes of every non-empty tensor in index
+order and, on a CPU wire, a tag over them. The donor picks the path and the header tells the receiver, so
+both sides always agree. On NCCL everything travels in CUDA tensors on the current device; tensors that
+live elsewhere (an optimizer's step counters on the host) go through a staging copy.
+
+Authentication (wire_auth.py): every tag is an HMAC under the workers' key over the run, generation, world
+size, donor, receiver, kind and step, and the message; the receiver checks the header's tag before it
+allocates anything for the body, caps the announced length (what the host has available; metadata at most
+METADATA_MAX), checks the body's tag before decoding it, and the tensors' tag before returning them. What is
+not MACed: on NCCL, the live tensors themselves. They go device to device and never reach the host; a MAC
+over them would need a device->host copy or a hashing pass over all of the state on the GPU, which is the
+cost this path exists to avoid. They arrive only from the donor of an authenticated header and metadata, over
+the job's NCCL communicator (whose members the group's formation admitted), and their count, dtypes and
+shapes are those of the MACed metadata. On a CPU wire (gloo) they reach the host and are MACed. Nothing
+received is unpickled.
 """
 from __future__ import annotations
 
+import hmac
 import logging
+import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from hyperpodrun.errors import CodecError, SnapshotCorrupt, UnsupportedStateError
-from hyperpodrun.runtime import safe_codec
+from hyperpodrun.errors import CodecError, ProtocolError, SnapshotCorrupt, UnsupportedStateError
+from hyperpodrun.runtime import host_bytes, safe_codec
 from hyperpodrun.runtime.safe_codec import TensorRef
 from hyperpodrun.runtime.snapshot_io import ref_dtype
 from hyperpodrun.runtime.state_dicts import device_of
+from hyperpodrun.runtime.wire_auth import TAG_BYTES, Channel, current, feed
 
 log = logging.getLogger("hyperpodrun.runtime")
 
 SLOT, LIVE = 0, 1
+_HEAD = struct.Struct("<qq")       # path, body length
+#: the largest metadata block a receiver accepts (the non-tensor part of the state: structure,
+#: hyper-parameters, RNG states, DDP layouts; megabytes for large models)
+METADATA_MAX = 1 << 30
 _BATCH = 256        # point-to-point operations per batch_isend_irecv (one NCCL group each)
 
 
@@ -44,7 +62,7 @@ class Received:
     donor: int
     kind: str
     via: str
-    blob: bytes = b""
+    blob: Union[bytes, bytearray] = b""
     payload: Optional[dict] = None
 
 
@@ -171,40 +189,107 @@ def _p2p(tensors: Sequence[Any], peer: int, send: bool) -> None:
             work.wait()
 
 
-def _send_live(meta: bytes, tensors: Sequence[Any], receiver: int, wire: Any) -> None:
+class _Pair:
+    """One (donor, receiver, kind) transfer of a restore of `step`: its wire device and its MACs."""
+
+    def __init__(self, donor: int, receiver: int, kind: str, step: int, wire: Any, channel: Channel) -> None:
+        self.donor, self.receiver, self.kind, self.step, self.wire, self.channel = \
+            donor, receiver, kind, step, wire, channel
+
+    def tag(self, what: str, *parts: Any) -> bytes:
+        return self.channel.tag(f"replica-{what}", self.donor, self.receiver, self.kind, str(self.step), *parts)
+
+    def check(self, tag: Any, what: str, *parts: Any) -> None:
+        if not self.channel.check(tag, f"replica-{what}", self.donor, self.receiver, self.kind, str(self.step), *parts):
+            raise ProtocolError(f"rank {self.donor} sent a replica {what} without the job's MAC (from a process that "
+                                "does not hold the workers' key, or from another generation, run, rank or restore)")
+
+    def tensors_tag(self, head: bytes, tensors: Sequence[Any]) -> bytes:
+        """The MAC over the tensors' bytes; only tensors that reach the host (a CPU wire) are summed."""
+        m = self.channel.mac("replica-tensors", self.donor, self.receiver, self.kind, str(self.step))
+        if m is None:
+            return bytes(TAG_BYTES)
+        feed(m, head)
+        for t in tensors:
+            feed(m, host_bytes.view(t))
+        return m.digest()
+
+    def send_bytes(self, path: int, body: Any) -> bytes:
+        """The header (path, length) with its tag, then the body with its tag; returns the header."""
+        import torch.distributed as dist
+        head = _HEAD.pack(path, len(body))
+        dist.send(host_bytes.tensor(bytearray(head + self.tag("head", head))).to(self.wire), dst=self.receiver)
+        out = bytearray(len(body) + TAG_BYTES)
+        out[:len(body)] = body
+        out[len(body):] = self.tag("body", head, body)
+        dist.send(host_bytes.tensor(out).to(self.wire), dst=self.receiver)
+        return head
+
+    def receive_bytes(self) -> tuple[int, bytes, bytearray]:
+        """(path, header, body) the donor sent, each part's tag checked, the length checked against
+        `max_body` before anything is allocated for it."""
+        import torch
+        import torch.distributed as dist
+        first = torch.empty(_HEAD.size + TAG_BYTES, dtype=torch.uint8, device=self.wire)
+        dist.recv(first, src=self.donor)
+        raw = bytes(host_bytes.copy_out(first))
+        head = raw[:_HEAD.size]
+        self.check(raw[_HEAD.size:], "head", head)
+        path, size = _HEAD.unpack(head)
+        limit = max_body(path)
+        if path not in (SLOT, LIVE) or not 0 <= size <= limit:
+            raise ProtocolError(f"rank {self.donor} sent a malformed replica header ({path}, {size} bytes; at most "
+                                f"{limit})")
+        if self.wire.type == "cpu":
+            body = bytearray(size + TAG_BYTES)
+            landing = host_bytes.tensor(body)
+            dist.recv(landing, src=self.donor)
+            del landing                     # the bytearray may be resized once no tensor shares it
+        else:
+            data = torch.empty(size + TAG_BYTES, dtype=torch.uint8, device=self.wire)
+            dist.recv(data, src=self.donor)
+            body = host_bytes.copy_out(data)
+            del data
+        tag = bytes(body[size:])
+        del body[size:]
+        self.check(tag, "body", head, body)
+        return path, head, body
+
+
+def max_body(path: int) -> int:
+    """The longest body a receiver accepts: what the host has available (a slot lands there whole; metadata
+    at most METADATA_MAX)."""
+    import psutil
+    available = int(psutil.virtual_memory().available)
+    return min(available, METADATA_MAX) if path == LIVE else available
+
+
+def _send_live(meta: bytes, tensors: Sequence[Any], pair: _Pair) -> None:
+    import torch.distributed as dist
+    head = pair.send_bytes(LIVE, meta)
+    out = [_as_bytes(t if t.device == pair.wire else t.to(pair.wire)) for t in tensors if t.numel()]
+    _p2p(out, pair.receiver, send=True)
+    if pair.wire.type == "cpu":
+        dist.send(host_bytes.tensor(bytearray(pair.tensors_tag(head, out))), dst=pair.receiver)
+
+
+def _receive(pair: _Pair, devices: Mapping[str, Any]) -> Received:
     import torch
     import torch.distributed as dist
-    dist.send(torch.tensor([LIVE, len(meta)], dtype=torch.int64, device=wire), dst=receiver)
-    dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(wire), dst=receiver)
-    out = [_as_bytes(t if t.device == wire else t.to(wire)) for t in tensors if t.numel()]
-    _p2p(out, receiver, send=True)
-
-
-def _send_slot(blob: bytes, receiver: int, wire: Any) -> None:
-    import torch
-    import torch.distributed as dist
-    dist.send(torch.tensor([SLOT, len(blob)], dtype=torch.int64, device=wire), dst=receiver)
-    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(wire), dst=receiver)
-
-
-def _receive(donor: int, kind: str, devices: Mapping[str, Any], wire: Any) -> Received:
-    import torch
-    import torch.distributed as dist
-    head = torch.zeros(2, dtype=torch.int64, device=wire)
-    dist.recv(head, src=donor)
-    path, size = (int(v) for v in head.tolist())
-    if path not in (SLOT, LIVE) or size < 0:
-        raise SnapshotCorrupt(f"rank {donor} sent a malformed header ({path}, {size})")
-    data = torch.empty(size, dtype=torch.uint8, device=wire)
-    dist.recv(data, src=donor)
-    raw = data.cpu().numpy().tobytes()
+    donor, kind, wire = pair.donor, pair.kind, pair.wire
+    path, head, raw = pair.receive_bytes()
     if path == SLOT:
         log.info("received my state from rank %d (%s, slot bytes, %d bytes)", donor, kind, len(raw))
         return Received(donor, kind, "slot", blob=raw)
-    payload, tensors = decode(raw, devices)
+    payload, tensors = decode(bytes(raw), devices)
     landing = [t for t in tensors if t.numel()]
     staged = [t if t.device == wire else torch.empty_like(t, device=wire) for t in landing]
     _p2p([_as_bytes(t) for t in staged], donor, send=False)
+    if wire.type == "cpu":
+        tag = bytearray(TAG_BYTES)
+        dist.recv(host_bytes.tensor(tag), src=donor)
+        if not hmac.compare_digest(bytes(tag), pair.tensors_tag(head, [_as_bytes(t) for t in staged])):
+            raise ProtocolError(f"rank {donor} sent replica tensors without the job's MAC")
     for t, s in zip(landing, staged):
         if s is not t:
             t.copy_(s)
@@ -214,29 +299,33 @@ def _receive(donor: int, kind: str, devices: Mapping[str, Any], wire: Any) -> Re
 
 
 def exchange(pairs: Sequence[tuple[int, int, str]], me: int,
-             live_for: Callable[[int, str], Optional[Mapping[str, Any]]], blob_for: Callable[[int, str], bytes],
-             devices: Mapping[str, Any]) -> Optional[Received]:
+             live_for: Callable[[int, str], Optional[Mapping[str, Any]]], blob_for: Callable[[int, str], Any],
+             devices: Mapping[str, Any], channel: Optional[Channel] = None, step: int = 0) -> Optional[Received]:
     """Send what I donate and return what I receive (None if I receive nothing).
 
     pairs: the plan's (donor, receiver, kind) transfers, the same list on every rank. As a donor, I send
     `live_for(receiver, kind)` - a snapshot payload made of my own objects' tensors, or None - as live
     tensors when it can go that way, else the slot bytes `blob_for(receiver, kind)`. As a receiver, my
     tensors are allocated per `devices` (see decode; `placement(state)` gives them).
+    channel, step: the MACs' key and context (wire_auth.py; default: this process's, from its environment)
+    and the step restored, which every message is bound to.
     """
     wire = wire_device()
+    channel = channel if channel is not None else current()
     received: Optional[Received] = None
     for donor, receiver, kind in pairs:
+        pair = _Pair(donor, receiver, kind, step, wire, channel)
         if me == donor:
             live = live_for(receiver, kind)
             encoded = encode(live) if live is not None else None
             if encoded is not None:
-                _send_live(encoded[0], encoded[1], receiver, wire)
+                _send_live(encoded[0], encoded[1], pair)
                 log.info("sent my live state to rank %d (%d tensors)", receiver, len(encoded[1]))
             else:
-                _send_slot(blob_for(receiver, kind), receiver, wire)
+                pair.send_bytes(SLOT, blob_for(receiver, kind))
                 log.info("sent my snapshot slot to rank %d (%s)", receiver, kind)
         elif me == receiver:
-            received = _receive(donor, kind, devices, wire)
+            received = _receive(pair, devices)
     return received
 
 

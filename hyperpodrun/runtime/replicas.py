@@ -104,27 +104,16 @@ def plan_transfers(groups: list[list[int]], holds: Sequence[set[int]], step: int
     return pairs
 
 
-def transfer(pairs: list[tuple[int, int, str]], me: int, blob_for: Callable[[int, str], bytes]) -> Optional[bytes]:
+def transfer(pairs: list[tuple[int, int, str]], me: int, blob_for: Callable[[int, str], bytes],
+             channel: Any = None, step: int = 0) -> Optional[bytearray]:
     """Send the slots I donate; return the slot I receive (if any).
 
-    Every rank walks the same ordered list, so the point-to-point calls pair up without deadlock.
+    Every rank walks the same ordered list, so the point-to-point calls pair up without deadlock. The bytes
+    go as replica_stream's slot path: MACed under the workers' key (`channel`, wire_auth.Channel; default:
+    this process's) and bound to `step`, lengths capped before anything is allocated, no numpy.
     """
-    import torch
-    import torch.distributed as dist
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    received: Optional[bytes] = None
-    for donor, receiver, kind in pairs:
-        if me == donor:
-            blob = blob_for(receiver, kind)
-            dist.send(torch.tensor([len(blob)], dtype=torch.int64, device=device), dst=receiver)
-            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst=receiver)
-        elif me == receiver:
-            size = torch.zeros(1, dtype=torch.int64, device=device)
-            dist.recv(size, src=donor)
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-            dist.recv(data, src=donor)
-            received = data.cpu().numpy().tobytes()
-            log.info("received my state from rank %d (%s, %d bytes)", donor, kind, len(received))
-    return received
+    from hyperpodrun.runtime import replica_stream
+    got = replica_stream.exchange(pairs, me, lambda receiver, kind: None, blob_for, {}, channel, step)
+    if got is None:
+        return None
+    return got.blob if isinstance(got.blob, bytearray) else bytearray(got.blob)

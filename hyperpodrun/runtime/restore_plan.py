@@ -1,7 +1,8 @@
 """Which committed step the ranks restore after a restart, and where each rank gets it from.
 
 Every rank lists what it holds (`Inventory`: steps in its own shared memory, on the disk fallback, and the
-copies it keeps of other ranks' slots); the lists are gathered on every rank and `plan_restore` - a pure
+copies it keeps of other ranks' slots); the lists are gathered on every rank (restore_inventory.py: MACed
+under the workers' key and bounded; a refused one counts as holding nothing) and `plan_restore` - a pure
 function, the same on every rank - picks the newest step that every rank can get from memory (its own, a
 replica peer's, a peer copy on another node), else the newest it can get from memory or disk, and which
 transfers bring it to the ranks that do not hold it. No such step: StateLostError (exit code 75), never a
@@ -13,31 +14,15 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, TypedDict
+from typing import Callable, Collection, Mapping, Optional, Sequence
 
 from hyperpodrun.errors import ProtocolError, SnapshotCorrupt, StateLostError
 from hyperpodrun.runtime import replicas
 from hyperpodrun.runtime import snapshot_io as io
 from hyperpodrun.runtime.pinned_read import map_readonly, prepinned
+from hyperpodrun.runtime.restore_inventory import Gathered, Inventory, gather  # noqa: F401 (re-exported)
 
 log = logging.getLogger("hyperpodrun.runtime")
-
-
-class Inventory(TypedDict):
-    """What one rank holds (gathered as JSON: plain lists and dicts)."""
-
-    shm: list[int]                    # steps in its own shared-memory slots
-    disk: list[int]                   # steps in its disk fallback
-    latest: Optional[int]             # the newest step it saved in this process (None: none)
-    copies: dict[int, list[int]]      # source rank -> steps of that rank's slots it keeps (peer copies)
-    #: this process has run since the job's first generation and never sealed (or restored) a snapshot: no
-    #: step was ever committed by every rank, so the job's committed state is its start
-    never_committed: bool
-    #: the step whose values this rank's objects still hold (its last save() call, certified by fingerprint:
-    #: live_state.py), whether or not a snapshot of it was completed; None: none
-    live: Optional[int]
-    #: the step the fault interrupted here (the last caller.progress() before the restart); None: not known
-    at: Optional[int]
 
 
 @dataclass(frozen=True)
@@ -108,14 +93,23 @@ def find_snapshots(directory: str, trusted: Optional[Mapping[str, int]] = None,
     return found
 
 
-def plan_restore(everyone: Sequence[Inventory],
-                 groups_of: Callable[[int], list[list[int]]]) -> Optional[RestorePlan]:
+def plan_restore(everyone: Sequence[Inventory], groups_of: Callable[[int], list[list[int]]],
+                 refused: Collection[int] = ()) -> Optional[RestorePlan]:
     """The plan for the gathered inventories (rank r's at index r), or None for a fresh start: no rank holds
     anything, or some rank that has run since the job started never completed a snapshot (then no step was
     committed by every rank). `groups_of(world)`: the replica groups (asked only when there is something to restore).
-    Raises StateLostError naming the ranks whose state at the newest step survives nowhere."""
+    Raises StateLostError naming the ranks whose state at the newest step survives nowhere.
+
+    refused: ranks whose inventory was refused (restore_inventory.py; their entries hold nothing). What they
+    hold is not known, so where the plan would need it - a state that then survives nowhere, or a fresh start
+    that their state might contradict - it raises ProtocolError (retried in the next round) naming them,
+    never StateLostError or a silent start from step 0: a bad inventory is its sender's fault."""
     live = [e.get("live") for e in everyone]
+    bad = sorted(set(refused))
     if not any(e["shm"] or e["disk"] or v is not None for e, v in zip(everyone, live)):
+        if bad:
+            raise ProtocolError(f"the restore inventories of rank(s) {bad} were refused and no other rank holds a "
+                                "snapshot: whether this is a fresh start is not known; tried again next round")
         return None
     everyone_live = live[0] is not None and all(v == live[0] for v in live)
     fresh = [r for r, e in enumerate(everyone) if e.get("never_committed")]
@@ -139,6 +133,10 @@ def plan_restore(everyone: Sequence[Inventory],
     if not anywhere:
         newest = max(steps)
         missing = [r for r in range(world) if not (in_memory(r, newest) or newest in on_disk[r])]
+        if bad:
+            raise ProtocolError(f"the state of rank(s) {missing} at step {newest} is held by no rank whose restore "
+                                f"inventory was accepted; rank(s) {bad} sent one that was refused (see the log); "
+                                "tried again next round")
         raise StateLostError(
             f"the state of rank(s) {missing} at step {newest} survives nowhere (no snapshot in shared memory, "
             f"none on a replica peer, no fallback checkpoint); configure CheckpointManager(fallback_dir=...) "
@@ -151,50 +149,3 @@ def plan_restore(everyone: Sequence[Inventory],
     reached = [at for at in (e.get("at") for e in everyone) if at is not None]
     latest = max((e["latest"] for e in everyone if e["latest"] is not None), default=step)
     return RestorePlan(step, pairs, source, max(0, (max(reached) if reached else latest) - step))
-
-
-def gather(mine: Inventory) -> list[Inventory]:
-    """Every rank's inventory (just `mine` without a process group), sent as JSON in byte tensors over the
-    job's default group: never pickled (all_gather_object would unpickle what a peer sent), and checked
-    field by field on arrival (`_inventory`)."""
-    import json
-
-    import torch
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return [mine]
-    world = dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" \
-        else torch.device("cpu")
-    blob = json.dumps(mine).encode()
-    size = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    lengths = [int(s.item()) for s in sizes]
-    buf = torch.zeros(max(lengths), dtype=torch.uint8)
-    buf[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    buf = buf.to(dev)
-    received = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(received, buf)
-    return [_inventory(json.loads(bytes(r[:n].cpu().tolist())), rank) for rank, (r, n) in
-            enumerate(zip(received, lengths))]
-
-
-def _inventory(raw: Any, rank: int) -> Inventory:
-    """A peer's inventory as plain typed values; ProtocolError (a ValueError) naming the rank otherwise."""
-    def steps(v: Any) -> list[int]:
-        if not isinstance(v, list) or not all(type(x) is int for x in v):
-            raise ProtocolError(f"rank {rank} sent a restore inventory with a malformed step list: {v!r:.200}")
-        return v
-    if not isinstance(raw, dict) or set(raw) != set(Inventory.__annotations__):
-        raise ProtocolError(f"rank {rank} sent a malformed restore inventory: {raw!r:.200}")
-    latest, never, copies = raw["latest"], raw["never_committed"], raw["copies"]
-    if (latest is not None and type(latest) is not int) or type(never) is not bool or not isinstance(copies, dict) \
-            or any(raw[k] is not None and type(raw[k]) is not int for k in ("live", "at")):
-        raise ProtocolError(f"rank {rank} sent a malformed restore inventory: {raw!r:.200}")
-    try:
-        held = {int(src): steps(v) for src, v in copies.items()}   # JSON made the rank numbers strings
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"rank {rank} sent a restore inventory with malformed copies: {copies!r:.200}") from exc
-    return {"shm": steps(raw["shm"]), "disk": steps(raw["disk"]), "latest": latest, "copies": held,
-            "never_committed": never, "live": raw["live"], "at": raw["at"]}

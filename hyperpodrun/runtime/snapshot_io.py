@@ -29,7 +29,7 @@ import threading
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from hyperpodrun.errors import SnapshotCorrupt
 from hyperpodrun.runtime import pinned_read, safe_codec
@@ -249,7 +249,7 @@ def _decode(data: Any, what: str, verify: bool, copy: Optional[bool]) -> tuple[i
         raise SnapshotCorrupt(f"{what}: {exc} (step {step})") from None
 
 
-def write_atomic(path: str, blob: bytes, durable: bool = False) -> None:
+def write_atomic(path: str, blob: Union[bytes, bytearray], durable: bool = False) -> None:
     """Write `blob` as `path` through a temporary file (0600, never through a symlink) and a rename, so a
     reader sees the whole file or none; `durable`: fsync first (a disk, not a tmpfs)."""
     with os.fdopen(open_private(path + ".tmp"), "wb") as fh:

@@ -7,6 +7,8 @@ the rank's newest sealed slot, then SIGKILL; park: write OUT_DIR/park.<rank>
 with the pid and sleep until killed, so that a test can end the process its own way; where: top|allreduce|prestep|poststep, poststep: after the optimizer step, before the
 save). OUT_DIR/restores.rank<r> says per generation how the rank got its state (CheckpointManager.restored_from),
 OUT_DIR/via.rank<r> how a replica peer sent it (restored_via: live, slot or None). REUSE_LIVE=0: reuse_live=False.
+FORGE_INVENTORY=rank:generation: that rank's restore inventory in that generation is an outsider's (see
+_forge_inventory).
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt.
 """
 import datetime
@@ -120,6 +122,21 @@ def _rot_newest_slot() -> None:
         fh.write(str(newest[0]))
 
 
+def _forge_inventory() -> None:
+    """FORGE_INVENTORY=rank:generation: in that generation this rank's restore inventory is replaced by what an
+    outsider without the workers' key sends in its seat: step 1000000 everywhere, tagged under another key."""
+    from hyperpodrun.runtime import restore_inventory, wire_auth
+    real = restore_inventory.encode
+
+    def forged(mine, channel, rank):
+        restore_inventory.encode = real
+        fake = {"shm": [1_000_000], "disk": [], "latest": 1_000_000, "copies": {}, "never_committed": False,
+                "live": 1_000_000, "at": 1_000_000}
+        outsider = wire_auth.channel(channel.generation, channel.world, channel.run_id, key=os.urandom(32))
+        return real(fake, outsider, rank)
+    restore_inventory.encode = forged
+
+
 def _progress(rank: int) -> int:
     """The last step rank `rank` saved, as its progress file says (written with STEP_SLEEP), or -1."""
     try:
@@ -219,6 +236,8 @@ def main(caller=None):
     state = {"model": net if bare is None or not WRAP_AFTER else bare, "opt": opt}
     if BIG is not None:
         state["big"] = BIG
+    if os.environ.get("FORGE_INVENTORY") == f"{rank}:{caller.iteration}":
+        _forge_inventory()
     start = cm.restore(state) or 0
     if bare is not None:
         if WRAP_AFTER:

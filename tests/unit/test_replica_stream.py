@@ -1,6 +1,7 @@
 """replica_stream: a donor's live tensors (several dtypes, bf16, an empty and a non-contiguous tensor, an
 optimizer-like nesting, more tensors than one batch) reach the receiver bitwise, on the device it asked for,
-over a real 3-rank gloo group (subprocesses on 127.0.0.1, a TCPStore the test serves); a donor without live
+over a real 3-rank gloo group (subprocesses on 127.0.0.1, a TCPStore the test serves, the workers' key in
+their environment: every message MACed, replica_stream.py); a donor without live
 state, and a "peer" transfer, send slot bytes; state the wire does not carry falls back; malformed metadata
 is refused."""
 from __future__ import annotations
@@ -105,7 +106,9 @@ print(json.dumps(report))
 def _run_group(device: str) -> list[dict]:
     import torch.distributed as dist
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    # as under hyperpodrun's agent: the workers' key in the environment, so every message carries its MAC
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "HYPERPODRUN_JOB_KEY": os.urandom(32).hex(),
+           "TORCHELASTIC_RUN_ID": "stream-test"}
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(server.port), device], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
     reports = []

@@ -120,13 +120,15 @@ def test_inventories_travel_as_json_and_come_back_typed():
 
     import torch.distributed as dist
 
+    from hyperpodrun.runtime import wire_auth
     from hyperpodrun.runtime.restore_plan import gather
-    mine = {"shm": [4, 6], "disk": [], "latest": 6, "copies": {2: [6], 11: [4, 6]}, "never_committed": False,
+    mine = {"shm": [4, 6], "disk": [], "latest": 6, "copies": {0: [6]}, "never_committed": False,
             "live": 9, "at": 9}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     try:
-        assert gather(mine) == [mine]
+        got = gather(mine, wire_auth.channel(0, 1, run_id="r", key=b"k" * 32))
+        assert got.inventories == [mine] and not got.refused
     finally:
         dist.destroy_process_group()
 
@@ -146,7 +148,7 @@ def test_inventories_travel_as_json_and_come_back_typed():
     ([1, 2], "malformed restore inventory"),
 ])
 def test_a_malformed_inventory_names_the_rank_that_sent_it(raw, needle):
-    from hyperpodrun.runtime.restore_plan import _inventory
+    from hyperpodrun.runtime.restore_inventory import parse
     with pytest.raises(ValueError, match=needle) as err:
-        _inventory(raw, 3)
+        parse(raw, 3, 4)
     assert "rank 3" in str(err.value)
