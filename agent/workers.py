@@ -21,7 +21,7 @@ from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
 from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_key, inprocess_env_overrides,
-                             worker_env)
+                             keep_on_loopback, worker_env)
 from hyperpodrun.runtime import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -117,6 +117,10 @@ class WorkerLauncher:
             log.warning("setting OMP_NUM_THREADS=1 for each worker (torchrun's default with several workers "
                         "per node); set it yourself to tune")
         hand_down_key(env, self.rdzv.secret)
+        if self.rdzv.single_node:   # every peer is on this host: the workers' listeners stay on loopback
+            for name in keep_on_loopback(env):
+                log.debug("%s=%s for each worker (one node: loopback only; set it yourself to choose)", name,
+                          env[name])
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
         if self.cfg.inprocess_restart:
             for name in inprocess_env_overrides(env):
