@@ -22,6 +22,14 @@ PROTOCOL_VERSION = 1
 ExitCode = Annotated[int, Field(ge=0, le=255)]
 
 
+def exit_code_of(value: object, default: int = 1) -> int:
+    """An ExitCode from what an exception carries (`exc.exit_code`): a whole number in 1..255 as it is, anything
+    else (0, 2**70, -1, a string) `default` - never one that wraps around to 0 (256) or fails the message."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 255:
+        return value
+    return default
+
+
 class _Msg(BaseModel):
     """A control message; each kind fixes `type` to its tag."""
 

@@ -110,3 +110,12 @@ def test_a_respawned_rank_is_bound_to_its_new_process() -> None:
     h.hello(0)                                   # the new process, from its own identity
     h.node.on_message(old, fault(h, 0))          # the old identity names the new pid: not its voice
     assert h.sink.named("foreign_message")
+
+
+@pytest.mark.parametrize("carried, code", [(3, 3), (255, 255), (0, 1), (256, 1), (2**70, 1), (-1, 1), ("7", 1),
+                                           (True, 1), (None, 1)])
+def test_an_exceptions_exit_code_becomes_one_the_protocol_takes(carried: object, code: int) -> None:
+    """The worker reports `exc.exit_code` of a fatal exception: a value the model refuses would fail the
+    report itself, and 256 would end the process with 0 (success)."""
+    assert P.exit_code_of(carried) == code
+    P.Fault(rank=0, pid=1, generation=0, exc_type="E", summary="s", exit_code=P.exit_code_of(carried))
