@@ -47,6 +47,6 @@ class AgentInfo(BaseModel):
     @classmethod
     def read(cls, path: str) -> "AgentInfo":
         """The file at `path` when it is a regular file of ours (never through a symlink, never a FIFO:
-        hyperpodrun/trusted_read.py); UntrustedPath otherwise, pydantic's ValidationError when malformed."""
+        hyperpodrun/trusted_read.py); UnsafePathError otherwise, pydantic's ValidationError when malformed."""
         from hyperpodrun import trusted_read
         return cls.model_validate_json(trusted_read.read_bytes(path)[:MAX_BYTES])

@@ -38,7 +38,7 @@ def _runs(log_dir: str) -> tuple[list[str], list[str]]:
 def _trusted(path: str, private: bool = False) -> None:
     try:
         T.check_dir(path, private)
-    except T.UntrustedPath as exc:
+    except T.UnsafePathError as exc:
         raise click.UsageError(f"not reading {T.printable(str(exc))}. hyperpodrun reads only its own log "
                                "directories: remove it, or pass the --log-dir the job used") from None
 
@@ -113,7 +113,7 @@ def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool
             label = f"[rank {m.group(2)} attempt {m.group(1)} {m.group(3)}] " if m else ""
             try:
                 data = T.read_bytes(path, offsets.get(path, 0))
-            except (OSError, T.UntrustedPath) as exc:
+            except (OSError, T.UnsafePathError) as exc:
                 if path not in refused:
                     refused.add(path)
                     click.echo(f"hyperpodrun logs: skipped {T.printable(str(exc))}", err=True)
@@ -182,7 +182,7 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
     for path in sorted(glob.glob(os.path.join(run, "node*.agent.json"))):
         try:
             info = AgentInfo.read(path)   # a regular file of ours only (trusted_read)
-        except (OSError, ValueError, T.UntrustedPath) as exc:
+        except (OSError, ValueError, T.UnsafePathError) as exc:
             click.echo(f"hyperpodrun inject: skipped {T.printable(str(exc).splitlines()[0] if str(exc) else path)}",
                        err=True)
             continue

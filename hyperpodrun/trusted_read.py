@@ -25,13 +25,11 @@ import re
 import stat
 from typing import Any, Optional
 
+from hyperpodrun.errors import UnsafePathError   # a path the tools do not read (the message says why)
+
 #: control characters replaced before printing: C0 but tab (and newline, where lines are printed whole), DEL, C1
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 _CONTROL_KEEP_NEWLINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-class UntrustedPath(Exception):
-    """A path the tools do not read: not ours alone (the message says why and what to do)."""
 
 
 def printable(text: str, keep_newlines: bool = False) -> str:
@@ -54,41 +52,41 @@ def _why_not_ours(st: os.stat_result, what: str, private: bool) -> Optional[str]
 
 
 def check_dir(path: str, private: bool = False) -> None:
-    """Raise UntrustedPath unless `path` is a real directory of ours that group and others cannot write
+    """Raise UnsafePathError unless `path` is a real directory of ours that group and others cannot write
     (`private`: cannot use at all: the default log base)."""
     try:
         st = os.lstat(path)
     except OSError as exc:
-        raise UntrustedPath(f"{path}: {exc.strerror or exc}") from None
+        raise UnsafePathError(f"{path}: {exc.strerror or exc}") from None
     why = _why_not_ours(st, path, private)
     if why is not None:
-        raise UntrustedPath(why)
+        raise UnsafePathError(why)
 
 
 def is_ours(path: str, private: bool = False) -> bool:
     """`check_dir` as a yes/no."""
     try:
         check_dir(path, private)
-    except UntrustedPath:
+    except UnsafePathError:
         return False
     return True
 
 
 def open_file(path: str) -> int:
     """A read-only fd of `path`: never through a symlink, never a FIFO or device (the open does not block),
-    only a regular file of ours. Raises UntrustedPath (or OSError: it is not there)."""
+    only a regular file of ours. Raises UnsafePathError (or OSError: it is not there)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if os.path.islink(path):
-            raise UntrustedPath(f"{path} is a symlink") from None
+            raise UnsafePathError(f"{path} is a symlink") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UntrustedPath(f"{path} is not a regular file")
+            raise UnsafePathError(f"{path} is not a regular file")
         if st.st_uid != os.geteuid():
-            raise UntrustedPath(f"{path} belongs to uid {st.st_uid}, not to this user")
+            raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this user")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -115,7 +113,7 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
     for path in event_files(run_dir):
         try:
             data = read_bytes(path)
-        except (OSError, UntrustedPath):
+        except (OSError, UnsafePathError):
             continue
         for line in data.decode(errors="replace").splitlines():
             try:

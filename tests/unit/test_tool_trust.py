@@ -60,25 +60,25 @@ def test_the_rule_on_directories(tmp_path: Path) -> None:
     T.check_dir(str(ours), private=True)
     os.chmod(ours, 0o755)
     T.check_dir(str(ours))                                  # a run dir under --log-dir: readable is fine
-    with pytest.raises(T.UntrustedPath, match="mode 0755"):
+    with pytest.raises(T.UnsafePathError, match="mode 0755"):
         T.check_dir(str(ours), private=True)                # the default base must be ours alone
     os.chmod(ours, 0o777)
-    with pytest.raises(T.UntrustedPath, match="other users could put files"):
+    with pytest.raises(T.UnsafePathError, match="other users could put files"):
         T.check_dir(str(ours))
     (tmp_path / "link").symlink_to(ours)
-    with pytest.raises(T.UntrustedPath, match="symlink"):
+    with pytest.raises(T.UnsafePathError, match="symlink"):
         T.check_dir(str(tmp_path / "link"))
 
 
 def test_a_fifo_or_a_symlink_is_refused_without_blocking(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(T.UntrustedPath, match="not a regular file"):
+    with pytest.raises(T.UnsafePathError, match="not a regular file"):
         T.open_file(str(fifo))                              # O_NONBLOCK: the open returns, no writer needed
     target = tmp_path / "real"
     target.write_text("x")
     (tmp_path / "link").symlink_to(target)
-    with pytest.raises(T.UntrustedPath, match="symlink"):
+    with pytest.raises(T.UnsafePathError, match="symlink"):
         T.open_file(str(tmp_path / "link"))
     assert T.read_bytes(str(target)) == b"x"
 
@@ -107,7 +107,7 @@ def test_files_and_run_dirs_of_another_user_are_not_read(tmp_path: Path) -> None
     info.write_text(AgentInfo(control="ipc:///tmp/theirs", pid=4242, host="h", node_rank=0, rank_offset=0,
                               nproc_per_node=1).model_dump_json())
     os.chown(info, OTHER, OTHER)
-    with pytest.raises(T.UntrustedPath, match="uid 65534"):
+    with pytest.raises(T.UnsafePathError, match="uid 65534"):
         AgentInfo.read(str(info))
     res = tool("inject", str(run), "--rank", "0", "--kind", "kill", "--timeout", "0.1")
     assert res.exit_code == 2 and "no running agent" in res.output, res.output
