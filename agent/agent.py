@@ -21,7 +21,7 @@ import zmq
 
 from hyperpodrun import auth, protocol as P, safe_fs, settings
 from hyperpodrun.agent import store_schema as K
-from hyperpodrun.agent import stores
+from hyperpodrun.agent import slot_base, stores
 from hyperpodrun.agent.agent_info import AgentInfo
 from hyperpodrun.agent.control import ControlServer, is_symptom, split_batch, symptom_grace
 from hyperpodrun.agent.coordination import Coordinator, Watcher
@@ -92,9 +92,10 @@ class Inbox:
                 pass
 
 
-def remove_finished(run_id: str) -> None:
-    """Every local worker exited 0: their checkpointless snapshots are not needed any more."""
-    shm_runs.remove_finished(shm_runs.checkpoint_base(), run_id, os.getpid())
+def remove_finished(run_id: str, shm_dir: Optional[str] = None) -> None:
+    """Every local worker exited 0: their checkpointless snapshots are not needed any more (`shm_dir`: the
+    private one the workers were given, agent/slot_base.py)."""
+    shm_runs.remove_finished(shm_runs.checkpoint_base(shm_dir), run_id, os.getpid())
 
 
 class Agent:
@@ -122,6 +123,7 @@ class Agent:
         self.symptom_grace_s = symptom_grace()
         self.subreaper = False
         self.standby: Optional[WarmSpawner] = None   # imports torch while this agent waits as a hot spare
+        self.shm_dir: Optional[str] = None   # the workers' private slot base when the usual one is squatted
 
     # ----------------------------------------------------------------------------------------- entry
     def run(self) -> int:
@@ -214,13 +216,14 @@ class Agent:
         if cfg.inprocess_restart or cfg.health_check != "none":   # the socket also takes injected GPU events
             self.control = ControlServer()
         endpoint = self.control.endpoint if cfg.inprocess_restart and self.control else None
+        self.shm_dir = slot_base.private_shm_dir(self.events)
         self.launcher = WorkerLauncher(cfg, rdzv, run_dir, self.host, sup, self.tee, self.events, control=endpoint,
-                                       subreaper=self.subreaper, standby=self.standby)
+                                       subreaper=self.subreaper, standby=self.standby, shm_dir=self.shm_dir)
         self.standby = None   # the launcher owns it now
         self.node = node = Node(cfg, rdzv, self.host, procs=sup, launcher=self.launcher, coord=coord,
                                 wstores=self.wstores, events=self.events, clock=self.clock,
                                 exit_grace_s=settings.current().exit_grace_s,
-                                on_success=functools.partial(remove_finished, rdzv.run_id))
+                                on_success=functools.partial(remove_finished, rdzv.run_id, self.shm_dir))
         inproc = None
         if cfg.inprocess_restart:
             assert self.control is not None
@@ -372,6 +375,7 @@ class Agent:
                     self.sup.poll_exits()
                     time.sleep(0.01)
             self.sup.close()
+        slot_base.remove(self.shm_dir)   # after the workers: nobody uses it now
         if self.launcher is not None:
             self.launcher.stop_warm_spawner()
         if self.standby is not None:   # a spare that never took a place

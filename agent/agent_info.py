@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict
 
 from hyperpodrun import safe_fs
 
+#: a node<N>.agent.json is a few hundred bytes; more is not read
+MAX_BYTES = 64 * 1024
+
 
 class AgentInfo(BaseModel):
     """A running agent that takes control requests."""
@@ -43,5 +46,7 @@ class AgentInfo(BaseModel):
 
     @classmethod
     def read(cls, path: str) -> "AgentInfo":
-        with open(path) as fh:
-            return cls.model_validate_json(fh.read())
+        """The file at `path` when it is a regular file of ours (never through a symlink, never a FIFO:
+        hyperpodrun/trusted_read.py); UnsafePathError otherwise, pydantic's ValidationError when malformed."""
+        from hyperpodrun import trusted_read
+        return cls.model_validate_json(trusted_read.read_bytes(path)[:MAX_BYTES])

@@ -20,6 +20,7 @@ from hyperpodrun.agent.ports import Clock, ControlSender, Coordination, Events, 
 from hyperpodrun.agent.rankstate import (ABORTED, RankState, Round, StepGuard, first_to_kill, not_ready,
                                          progress_culprits, stuck_ranks)
 from hyperpodrun.agent.state import NodeState, Phase
+from hyperpodrun.agent.voices import Voices
 from hyperpodrun.agent.store_schema import FailureInfo, NodeJoin
 from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit, shell_code
 from hyperpodrun.config import LaunchConfig
@@ -56,6 +57,7 @@ class InProcess:
         self.fault_step: Optional[int] = None   # the latest step this node saw in progress when a round began
         self.round: Optional[Round] = None
         self.ever_hello = False
+        self.voices = Voices(events)
         self.warm_started = False
         self.completing = False
         self.node_done_marked = -1
@@ -96,12 +98,24 @@ class InProcess:
                               secondary=self.round is not None), failed=(st.local_rank,))
 
     # ------------------------------------------------------------------ messages
-    def on_message(self, ident: bytes, msg: P._Msg) -> None:
+    def _sender(self, msg: P._Msg) -> Optional[RankState]:
+        """The rank a worker message speaks for (None: no current worker)."""
         rank, pid = getattr(msg, "rank", None), getattr(msg, "pid", None)
         # by pid first: an elastic job renumbers the ranks, and a message sent before GO has the old rank
         st = next((s for s in self.ranks.values() if s.pid == pid), None) if pid is not None else None
         if st is None and pid is None and isinstance(rank, int):
             st = self.by_rank(rank)
+        return st
+
+    def admits(self, ident: bytes, msg: P._Msg) -> bool:
+        """Whether a message in a rank's name comes from that rank's process (agent/voices.py); the node drops
+        one that does not before anything reads it."""
+        st = self._sender(msg)
+        return st is None or self.voices.admit(st, ident, msg)
+
+    def on_message(self, ident: bytes, msg: P._Msg) -> None:
+        rank = getattr(msg, "rank", None)
+        st = self._sender(msg)
         if st is None:
             log.debug("ignored %s from rank %s pid %s (not a current worker)", getattr(msg, "type", "?"), rank,
                       getattr(msg, "pid", None))

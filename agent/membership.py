@@ -280,7 +280,10 @@ class LossNews:
 
 class LeaseWatch:
     """The pure part of watching leases: given what the store says now, which nodes became lost or were
-    replaced. A lease is judged by whether it *moved* since this observer last saw it move."""
+    replaced. A lease is judged by whether it *moved* since this observer last saw it move - forward: a renewal
+    counts only when its count exceeds the highest this observer has seen for that incarnation. Lease records
+    are signed, not fresh: anyone who can write the store could replay a dead node's own old records (count 5,
+    6, 5, 6, ...), and "any change" would keep that node alive for ever."""
 
     def __init__(self, me: int, nnodes: int, timeout: float) -> None:
         self.me = me
@@ -288,11 +291,23 @@ class LeaseWatch:
         self.timeout = timeout
         self._seen: dict[int, tuple[Optional[str], Optional[tuple[str, int]], float]] = {}
         self._reported: set[tuple[int, str]] = set()
+        self._highest: dict[str, int] = {}   # incarnation -> the highest lease count seen
+
+    def _forward(self, key: Optional[tuple[str, int]]) -> bool:
+        """Whether lease `key` (incarnation, count) is past every count seen for its incarnation (and note it)."""
+        if key is None:
+            return False
+        incarnation, count = key
+        if count <= self._highest.get(incarnation, -1):
+            return False
+        self._highest[incarnation] = count
+        return True
 
     def observe(self, now: float, state: dict[int, tuple[Optional[str], Optional[NodeLease]]]) -> list[Posted]:
         events: list[Posted] = []
         for node, (holder, lease) in state.items():
             key = (lease.incarnation, lease.count) if lease is not None else None
+            forward = self._forward(key)
             prev = self._seen.get(node)
             if prev is None:
                 self._seen[node] = (holder, key, now)
@@ -305,7 +320,7 @@ class LeaseWatch:
                 continue
             if not holder or holder.startswith(TOMBSTONE):
                 continue   # declared lost already: nothing to watch until someone takes the rank
-            if key != prev_key:
+            if forward and key is not None and key[0] == holder:   # the holder's own lease, moved on
                 self._seen[node] = (holder, key, now)
                 continue
             silent = now - since

@@ -243,6 +243,8 @@ class Node:
             if self.injector is not None:
                 self.injector.handle(ident, msg)
             return
+        if self.inproc is not None and not self.inproc.admits(ident, msg):
+            return   # in a rank's name from another process (agent/voices.py): dropped, with an event
         if self.gpu is not None and isinstance(msg, (P.Hello, P.Heartbeat)) and (msg.device_uuid or msg.pci_bus_id):
             self.gpu.on_report(msg.rank, msg.pid, msg.device_uuid, msg.pci_bus_id)
         if self.inproc is not None:

@@ -35,11 +35,13 @@ class RankState:
     fault_gen: int = -1       # newest generation this process reported a FAULT in (it is recovering from it)
     stack: Optional[str] = None   # where its main thread was at its last heartbeat during a restart
     release_lost: bool = False    # its SHUTDOWN could not be delivered after it reported DONE: it was killed
+    voices: frozenset[bytes] = frozenset()   # the control identities of its HELLO (agent/voices.py)
 
     def spawned(self, pid: int, now: float) -> None:
         """A new process runs this rank: nothing it said before counts."""
         self.pid, self.ident, self.hello, self.state, self.killed = pid, None, False, "starting", False
         self.step, self.stack, self.release_lost = None, None, False
+        self.voices = frozenset()
         self.last_beat = self.progress_t = now
 
     def heard(self, beat: P.Heartbeat, now: float) -> None:

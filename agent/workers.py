@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Callable, Optional
 
-from hyperpodrun import safe_fs
+from hyperpodrun import safe_fs, settings
 from hyperpodrun.agent import warm_spawner
 from hyperpodrun.agent.ports import Events, RendezvousInfo, SpawnRequest, WorkerSource
 from hyperpodrun.agent.sources import ColdSpawn, WarmFork
@@ -21,7 +21,7 @@ from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
 from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_key, inprocess_env_overrides,
-                             worker_env)
+                             keep_on_loopback, worker_env)
 from hyperpodrun.runtime import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -64,8 +64,9 @@ class WorkerLauncher:
                  events: Events, control: Optional[str] = None,
                  on_spawn: Optional[Callable[[int, int], None]] = None,
                  env_for: Optional[Callable[[int], dict[str, str]]] = None, subreaper: bool = False,
-                 standby: Optional[warm_spawner.WarmSpawner] = None) -> None:
+                 standby: Optional[warm_spawner.WarmSpawner] = None, shm_dir: Optional[str] = None) -> None:
         self.cfg = cfg
+        self.shm_dir = shm_dir      # a private slot base for the workers (agent/slot_base.py); None: theirs
         self.rdzv = rdzv
         self.run_dir = run_dir
         self.host = host
@@ -108,7 +109,7 @@ class WorkerLauncher:
 
     def slot_dir(self, local_rank: int) -> str:
         """Where a rank of this local rank keeps its snapshot slots (CheckpointManager's default place)."""
-        return shm_runs.slot_dir(local_rank, run=self.rdzv.run_id, owner=os.getpid())
+        return shm_runs.slot_dir(local_rank, run=self.rdzv.run_id, owner=os.getpid(), shm_dir=self.shm_dir)
 
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -117,6 +118,12 @@ class WorkerLauncher:
             log.warning("setting OMP_NUM_THREADS=1 for each worker (torchrun's default with several workers "
                         "per node); set it yourself to tune")
         hand_down_key(env, self.rdzv.secret)
+        if self.shm_dir is not None:   # the usual slot base is squatted: the agent's private one
+            env[settings.variable("shm_dir")] = self.shm_dir
+        if self.rdzv.single_node:   # every peer is on this host: the workers' listeners stay on loopback
+            for name in keep_on_loopback(env):
+                log.debug("%s=%s for each worker (one node: loopback only; set it yourself to choose)", name,
+                          env[name])
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
         if self.cfg.inprocess_restart:
             for name in inprocess_env_overrides(env):

@@ -57,7 +57,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
-    p.add_argument("--cache-dir", default="/dev/shm/pdl_cache")
+    p.add_argument("--cache-dir", default=None, help="default: /dev/shm/pdl_cache-<uid>")
     p.add_argument("--prefetch", type=int, default=10)
     return p.parse_args()
 
@@ -69,7 +69,8 @@ data = SyntheticImages()
 loader = MMAPDataLoader(
     DataLoader(data, batch_size=ARGS.batch_size, num_workers=ARGS.workers,
                sampler=ResumableSampler(data, seed=0, num_replicas=WORLD, rank=RANK)),
-    CacheResumeMMAPConfig(cache_dir=ARGS.cache_dir, prefetch_length=ARGS.prefetch, lookback_length=2))
+    CacheResumeMMAPConfig(**({"cache_dir": ARGS.cache_dir} if ARGS.cache_dir else {}), prefetch_length=ARGS.prefetch,
+                          lookback_length=2))
 cm = CheckpointManager(enable_checksum=True)
 
 

@@ -109,6 +109,22 @@ def worker_env(
     return env
 
 
+#: on one node the workers' own listeners (gloo's pairs, NCCL's bootstrap sockets) stay on the loopback interface
+#: (README, Security): without these, gloo listens on the address the host name resolves to - a routable one
+#: on many clusters - although every peer is on this host. NCCL's NVLink/P2P/SHM transports do not use them.
+LOOPBACK_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+LOOPBACK_IFNAME = "lo"
+
+
+def keep_on_loopback(env: dict[str, str]) -> list[str]:
+    """Set each of LOOPBACK_IFNAME_VARS the user left unset to the loopback interface; a value the user set
+    is kept. Returns the names it set (a single-node job's workers: agent/workers.py)."""
+    added = [name for name in LOOPBACK_IFNAME_VARS if not env.get(name)]
+    for name in added:
+        env[name] = LOOPBACK_IFNAME
+    return added
+
+
 def hand_down_key(env: dict[str, str], secret: bytes) -> None:
     """Give the workers (and the warm spawner) the workers' key, derived one-way from the job secret, and
     never the secret itself (hyperpodrun/auth.py): a rank can authenticate peer copies, not sign the agents'

@@ -17,6 +17,18 @@ from hyperpodrun.errors import ProtocolError
 #: the control protocol's version: raised when a message changes in a way an older receiver would misread
 PROTOCOL_VERSION = 1
 
+#: a process exit code as the agent may pass it on (sys.exit, the shell's $?): 0..255. A wider value would
+#: fail only when the agent exits (OverflowError), so the model refuses it as a malformed message.
+ExitCode = Annotated[int, Field(ge=0, le=255)]
+
+
+def exit_code_of(value: object, default: int = 1) -> int:
+    """An ExitCode from what an exception carries (`exc.exit_code`): a whole number in 1..255 as it is, anything
+    else (0, 2**70, -1, a string) `default` - never one that wraps around to 0 (256) or fails the message."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 255:
+        return value
+    return default
+
 
 class _Msg(BaseModel):
     """A control message; each kind fixes `type` to its tag."""
@@ -61,7 +73,7 @@ class Fault(_Msg):
     step: Optional[int] = None
     secondary: bool = False            # a communication error most likely caused by another rank's fault
     retryable: bool = True
-    exit_code: int = 1                 # for a fault that ends the job (not retryable)
+    exit_code: ExitCode = 1            # for a fault that ends the job (not retryable)
     traceback: str = ""
 
 
@@ -116,7 +128,7 @@ class Go(_Msg):
 class Shutdown(_Msg):
     type: Literal["shutdown"] = "shutdown"
     reason: str = "complete"           # complete: every rank finished; stop: the job is ending
-    exit_code: int = 0
+    exit_code: ExitCode = 0
 
 
 InjectKind = Literal["kill", "segv", "exit", "raise", "hang", "hang-gil", "hang-c", "nvml-xid", "gpu-lost"]
@@ -127,7 +139,7 @@ class Inject(_Msg):
     kind: InjectKind
     step: Optional[int] = None         # act when the rank reports progress >= step (None: now)
     generation: Optional[int] = None   # only in this generation (None: the current one)
-    exit_code: int = 1
+    exit_code: ExitCode = 1
     xid: Optional[int] = None
 
 
@@ -136,7 +148,7 @@ class InjectRequest(_Msg):
     rank: int
     kind: InjectKind
     step: Optional[int] = None
-    exit_code: int = 1
+    exit_code: ExitCode = 1
     xid: Optional[int] = None
 
 
@@ -149,6 +161,27 @@ class InjectReply(_Msg):
 Message = Annotated[Union[Hello, Heartbeat, Fault, Ready, Restored, Done, Restart, Go, Shutdown, Inject, InjectRequest,
                           InjectReply], Field(discriminator="type")]
 _ADAPTER: TypeAdapter = TypeAdapter(Message)
+
+
+#: the channels of a worker's control connection (hyperpodrun/runtime/control.py): its monitor thread's socket,
+#: which says HELLO, heartbeats and takes commands, and its main thread's socket (FAULT, READY, DONE)
+MONITOR_CHANNEL, MAIN_CHANNEL = "h", "m"
+
+
+def worker_identity(channel: str, rank: int, pid: int) -> bytes:
+    """The zmq identity of one of a worker's control sockets (`channel`: MONITOR_CHANNEL or MAIN_CHANNEL)."""
+    return f"{channel}{rank}-{pid}".encode()
+
+
+def sibling_identities(ident: bytes) -> frozenset[bytes]:
+    """The identities of one worker's two control sockets, given one of them (the agent binds a rank to the
+    pair its HELLO came from: agent/voices.py); an identity of another form stands for itself alone."""
+    head, tail = ident[:1], ident[1:]
+    if head == MONITOR_CHANNEL.encode():
+        return frozenset((ident, MAIN_CHANNEL.encode() + tail))
+    if head == MAIN_CHANNEL.encode():
+        return frozenset((ident, MONITOR_CHANNEL.encode() + tail))
+    return frozenset((ident,))
 
 
 def encode(msg: _Msg) -> bytes:

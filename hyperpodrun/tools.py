@@ -1,4 +1,6 @@
-"""`hyperpodrun logs` (tail a run's worker logs or its event log) and `hyperpodrun inject` (fault drills)."""
+"""`hyperpodrun logs` (tail a run's worker logs or its event log) and `hyperpodrun inject` (fault drills).
+
+Both read only our own trees and print no control characters (hyperpodrun/trusted_read.py)."""
 from __future__ import annotations
 
 import glob
@@ -10,7 +12,8 @@ from typing import Optional
 
 import click
 
-from hyperpodrun.config import default_log_dir
+from hyperpodrun import trusted_read as T
+from hyperpodrun.config import default_log_dir, temp_log_base
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,22 +21,41 @@ def tools() -> None:
     """Tools around hyperpodrun jobs."""
 
 
-def _runs(log_dir: str) -> list[str]:
+def _runs(log_dir: str) -> tuple[list[str], list[str]]:
+    """(run directories of ours under `log_dir`, oldest first; the names of those skipped as not ours)."""
     if not os.path.isdir(log_dir):
-        return []
-    runs = [os.path.join(log_dir, d) for d in os.listdir(log_dir)
-            if os.path.isdir(os.path.join(log_dir, d)) and glob.glob(os.path.join(log_dir, d, "*.events.jsonl"))]
-    return sorted(runs, key=os.path.getmtime)
+        return [], []
+    runs: list[str] = []
+    skipped: list[str] = []
+    for d in os.listdir(log_dir):
+        path = os.path.join(log_dir, d)
+        if not os.path.isdir(path) or not glob.glob(os.path.join(path, "*.events.jsonl")):
+            continue
+        (runs if T.is_ours(path) else skipped).append(path)
+    return sorted(runs, key=lambda p: os.lstat(p).st_mtime), skipped
+
+
+def _trusted(path: str, private: bool = False) -> None:
+    try:
+        T.check_dir(path, private)
+    except T.UnsafePathError as exc:
+        raise click.UsageError(f"not reading {T.printable(str(exc))}. hyperpodrun reads only its own log "
+                               "directories: remove it, or pass the --log-dir the job used") from None
 
 
 def resolve_run(path: Optional[str]) -> str:
-    """A run directory from: nothing (newest under the default log dir), a log dir, or a run dir."""
+    """A run directory of ours from: nothing (newest under the default log dir), a log dir, or a run dir."""
     base = os.path.abspath(path) if path else default_log_dir()
+    if path is None and base == temp_log_base() and os.path.lexists(base):
+        _trusted(base, private=True)   # the per-user temp base: ours alone, as the launcher makes it
     if glob.glob(os.path.join(base, "*.events.jsonl")):
+        _trusted(base)
         return base
-    runs = _runs(base)
+    runs, skipped = _runs(base)
     if not runs:
-        raise click.UsageError(f"no hyperpodrun run found under {base!r}; pass the --log-dir the job used")
+        other = f" ({len(skipped)} run(s) there are not this user's: not read)" if skipped else ""
+        raise click.UsageError(f"no hyperpodrun run found under {T.printable(base)!r}{other}; pass the --log-dir "
+                               "the job used")
     return runs[-1]
 
 
@@ -48,9 +70,8 @@ def _rank_files(run: str, rank: Optional[int]) -> list[str]:
 
 
 def _render_events(run: str) -> list[tuple[float, str]]:
-    from hyperpodrun.agent.events import event_files, format_event
-    from hyperpodrun.timeline import read_events
-    return [(rec["ts"], format_event(rec)) for rec in read_events(event_files(run))]
+    from hyperpodrun.agent.events import format_event
+    return [(rec["ts"], T.printable(format_event(rec))) for rec in T.read_events(run)]
 
 
 @tools.command("logs")
@@ -85,19 +106,24 @@ def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool
         raise click.UsageError(f"no log files for rank {rank} in {run} (ranks here: "
                                f"{', '.join(map(str, here)) or 'none'})")
     offsets: dict[str, int] = {}
+    refused: set[str] = set()
     while True:
         for path in _rank_files(run, rank):
             m = re.search(r"attempt_(\d+)/rank_(\d+)/(std\w+)", path)
             label = f"[rank {m.group(2)} attempt {m.group(1)} {m.group(3)}] " if m else ""
-            with open(path, "rb") as fh:
-                fh.seek(offsets.get(path, 0))
-                data = fh.read()
+            try:
+                data = T.read_bytes(path, offsets.get(path, 0))
+            except (OSError, T.UnsafePathError) as exc:
+                if path not in refused:
+                    refused.add(path)
+                    click.echo(f"hyperpodrun logs: skipped {T.printable(str(exc))}", err=True)
+                continue
             if not data:
                 continue
             cut = data.rfind(b"\n") + 1 if follow else len(data)
             offsets[path] = offsets.get(path, 0) + cut
             for line in data[:cut].decode(errors="replace").splitlines():
-                sys.stdout.write(label + line + "\n")
+                sys.stdout.write(label + T.printable(line) + "\n")
         sys.stdout.flush()
         if not follow:
             return
@@ -106,9 +132,8 @@ def logs(log_dir: Optional[str], follow: bool, rank: Optional[int], events: bool
 
 def _draw_timeline(run: str, png: str) -> None:
     from hyperpodrun import timeline
-    from hyperpodrun.agent.events import event_files
     from hyperpodrun.errors import MissingDependencyError
-    segs = timeline.segments(timeline.read_events(event_files(run)))
+    segs = timeline.segments(T.read_events(run))
     if not segs:
         raise click.UsageError(f"no worker started in {run}'s event log: nothing to draw")
     try:
@@ -155,7 +180,12 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
     run = resolve_run(log_dir)
     target = None
     for path in sorted(glob.glob(os.path.join(run, "node*.agent.json"))):
-        info = AgentInfo.read(path)
+        try:
+            info = AgentInfo.read(path)   # a regular file of ours only (trusted_read)
+        except (OSError, ValueError, T.UnsafePathError) as exc:
+            click.echo(f"hyperpodrun inject: skipped {T.printable(str(exc).splitlines()[0] if str(exc) else path)}",
+                       err=True)
+            continue
         if info.hosts(rank):
             target = info
     if target is None:
@@ -184,5 +214,5 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
     finally:
         ctx.term()
     if not getattr(reply, "ok", False):
-        raise click.ClickException(getattr(reply, "detail", "refused"))
-    click.echo(getattr(reply, "detail", "ok"))
+        raise click.ClickException(T.printable(getattr(reply, "detail", "refused")))
+    click.echo(T.printable(getattr(reply, "detail", "ok")))

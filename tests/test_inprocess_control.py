@@ -1,5 +1,6 @@
 """The control plane and the wrapper at their edges (issue 3): garbage on the agent's control socket is
-dropped and the job still recovers and finishes; outside hyperpodrun the wrapped function runs once."""
+dropped - and so are messages in a real rank's name from another identity (issue 33) - and the job still
+recovers and finishes; outside hyperpodrun the wrapped function runs once."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import zmq
 
 from conftest import TORCHRUN, free_port, script
 from hyperpodrun import protocol as P
-from inprocess_helpers import FAST, Job, assert_only_replaced, events_named
+from inprocess_helpers import FAST, Job, assert_only_replaced, events_named, pids
 
 GARBAGE = [
     b"",
@@ -47,6 +48,12 @@ def test_control_plane_survives_malformed_messages(launcher, out_dir):
         sock.connect(endpoint)
         for frame in GARBAGE:
             sock.send(frame)
+        # in the name of a real rank (its pid) from another identity (issue 33, item 7): dropped, one event;
+        # a fault that is not retried would otherwise end the job with its exit code, and 2**70 crashed the agent
+        victim = pids(out_dir, 1)[-1]
+        for code in (3, 2**70):
+            sock.send(b'{"type": "fault", "rank": 1, "pid": %d, "generation": 0, "exc_type": "Spoof", '
+                      b'"summary": "not this identity", "retryable": false, "exit_code": %d}' % (victim, code))
         sock.send_multipart([b"two", b"parts"])
         sock.send(P.encode(P.InjectRequest(rank=17, kind="kill")))
         # messages on one connection arrive in order: this answer comes after the agent read all the garbage
@@ -67,6 +74,8 @@ def test_control_plane_survives_malformed_messages(launcher, out_dir):
     faults = events_named(job.log_dir, "fault")
     assert len(faults) == 1 and faults[0]["rank"] == 2 and "injected fault" in faults[0]["root_cause"], info
     assert "Spoof" not in json.dumps(faults), info
+    foreign = events_named(job.log_dir, "foreign_message")
+    assert [(e["rank"], e["kind"]) for e in foreign] == [(1, "fault")], info
     assert "dropped a control" in res.err, res.err[-3000:]
     assert "Traceback" not in res.err.split("injected fault")[0], res.err[-6000:]
 

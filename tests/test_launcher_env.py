@@ -25,6 +25,8 @@ DOCUMENTED_OURS = {
     "HYPERPODRUN_ROOTLESS": "'1': the workers' store is hosted by the agent, a fresh one per generation",
     "HYPERPODRUN_JOB_KEY": "hex of the workers' key (derived from the job secret): authenticates peer copies",
     "PYTHONUNBUFFERED": "'1' unless the user set it, so worker lines reach the per-rank files at once",
+    "GLOO_SOCKET_IFNAME": "'lo' on one node unless the user set it: gloo listens on loopback only",
+    "NCCL_SOCKET_IFNAME": "'lo' on one node unless the user set it: NCCL's bootstrap sockets on loopback only",
 }
 
 # torchrun variables whose values legitimately differ between two launches: ports, paths and run ids

@@ -24,7 +24,8 @@ def _stop_producers():
 # ------------------------------------------------------------------------------------------ config
 def test_defaults_are_the_product_notes():
     cfg = CacheResumeMMAPConfig()
-    assert (cfg.cache_dir, cfg.prefetch_length, cfg.lookback_length) == ("/dev/shm/pdl_cache", 10, 2)
+    # the product note's /dev/shm/pdl_cache, one per user (another user could take a shared name first)
+    assert (cfg.cache_dir, cfg.prefetch_length, cfg.lookback_length) == (f"/dev/shm/pdl_cache-{os.getuid()}", 10, 2)
     assert cfg.window == 12
 
 

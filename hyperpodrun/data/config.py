@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hyperpodrun.data.errors import MMAPConfigError
@@ -17,6 +17,12 @@ RESUME_POLICIES = ("auto", "replay", "never")
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 #: most batches a producer reads ahead: each is a file (and memory) in the cache directory
 MAX_PREFETCH_LENGTH = 4096
+
+
+def default_cache_dir() -> str:
+    """`/dev/shm/pdl_cache-<uid>`: one per user. A name without the uid was taken by whichever user came first
+    (another user's `/dev/shm/pdl_cache` turned this user's cache off, and two honest users collided)."""
+    return f"/dev/shm/pdl_cache-{os.getuid()}"
 
 
 def _int(name: str, value: Any, minimum: int, fix: str, maximum: Optional[int] = None) -> None:
@@ -33,8 +39,9 @@ class CacheResumeMMAPConfig:
     """Settings of the MMAP data cache (names from the product note).
 
     cache_dir: directory for the batch files; a tmpfs (/dev/shm) so that files are memory and survive the
-        death of a worker process. Missing, unwritable or full: the loader reads the wrapped loader
-        directly, with one warning.
+        death of a worker process. Default: /dev/shm/pdl_cache-<uid> (one per user). Missing, unwritable,
+        full, or not this user's alone (another user created it first, a symlink): the loader reads the
+        wrapped loader directly, with one warning.
     prefetch_length: batches produced from the current step on (the current one included).
     lookback_length: batches kept behind the current step, so a restart that goes back that far (the
         restored step is at most one step behind) still reads from the cache.
@@ -53,7 +60,7 @@ class CacheResumeMMAPConfig:
     enabled: False reads the wrapped loader directly (same API; for comparisons).
     """
 
-    cache_dir: str = "/dev/shm/pdl_cache"
+    cache_dir: str = field(default_factory=default_cache_dir)
     prefetch_length: int = 10
     lookback_length: int = 2
     share_key: Optional[str] = None

@@ -1,6 +1,6 @@
 """MMAPDataModule: a Lightning DataModule whose training batches come from the MMAP cache.
 
-    mmap_config = CacheResumeMMAPConfig(cache_dir="/dev/shm/pdl_cache", prefetch_length=10, lookback_length=2)
+    mmap_config = CacheResumeMMAPConfig(prefetch_length=10, lookback_length=2)   # cache: /dev/shm/pdl_cache-<uid>
     data_module = MMAPDataModule(data_module=YourDataModule(...), mmap_config=mmap_config)
     trainer.fit(model, data_module)
 

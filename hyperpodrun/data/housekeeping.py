@@ -10,8 +10,8 @@ Ownership, staleness and the alive lock are those of every hyperpodrun run direc
 hyperpodrun agent, torchrun's agent, or the process itself); a run directory is stale when its owner is
 gone and no process holds its alive.lock, and stale directories are removed when a run first opens the
 cache. `cache_dir` and everything below it are created 0700 and must be this user's alone: a cache_dir
-that another user created (or a symlink, or one open to others) fails with UnsafePathError instead of
-being read.
+that another user created (or a symlink, or one open to others) raises UnsafePathError instead of being
+read, and the loader then reads the wrapped loader directly, with one warning (loader.py).
 
 At interpreter exit a process removes the groups whose consumers all finished their stream, and the
 run directory when it is the last process using it and no group is left (see loader.py for when a

@@ -1,7 +1,7 @@
 """MMAPDataLoader: the consumer side. Batches by step from the MMAP cache, resumable at any restored step.
 
     loader = MMAPDataLoader(DataLoader(ds, batch_size=32, sampler=ResumableSampler(ds), num_workers=4),
-                            CacheResumeMMAPConfig(cache_dir="/dev/shm/pdl_cache"))
+                            CacheResumeMMAPConfig())   # cache in /dev/shm/pdl_cache-<uid>
 
     @HPWrapper(checkpoint_manager=cm)
     def main(caller=None):
@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Iterable, Iterator, Optional, Sized
 
-from hyperpodrun.errors import ApiTypeError, ApiValueError
+from hyperpodrun.errors import ApiTypeError, ApiValueError, UnsafePathError
 from hyperpodrun.data import group as groups
 from hyperpodrun.data import housekeeping, storage
 from hyperpodrun.data.config import CacheResumeMMAPConfig
@@ -96,7 +96,7 @@ class MMAPDataLoader:
 
     loader: the wrapped loader; how it is resumed after a restart is decided by what it is (source.py):
         a DataLoader over a ResumableSampler, a state_dict()/load_state_dict() loader, or a plain iterable.
-    config: CacheResumeMMAPConfig (defaults: /dev/shm/pdl_cache, prefetch 10, lookback 2).
+    config: CacheResumeMMAPConfig (defaults: /dev/shm/pdl_cache-<uid>, prefetch 10, lookback 2).
     epochs: how many epochs the stream has (None: as many as are read). Steps count across epochs.
     name: tells apart the loaders of one rank (e.g. "train", "val"); part of the file names.
     rank: this consumer's rank (default: the RANK environment variable, 0 without one).
@@ -183,7 +183,7 @@ class MMAPDataLoader:
         try:
             run = housekeeping.open_run(cfg.cache_dir, cfg.cleanup_stale)
             group = groups.get(os.path.join(run.path, f"{self.name}.{key}"))
-        except OSError as exc:
+        except (OSError, UnsafePathError) as exc:   # not ours alone (another user's, a symlink): never read it
             _warn_degraded(cfg.cache_dir, f"cache_dir cannot be used ({exc})")
             return None
         _register_at_exit()

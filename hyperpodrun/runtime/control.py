@@ -41,7 +41,7 @@ class ControlClient:
         self._on_command = on_command
         self._status = status
         self._ctx = zmq.Context()
-        self._main = self._socket("m")
+        self._main = self._socket(P.MAIN_CHANNEL)
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()   # close() wakes the monitor thread's poll at once
         os.set_blocking(self._wake_w, False)
@@ -54,7 +54,7 @@ class ControlClient:
 
     def _socket(self, tag: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{tag}{self.rank}-{os.getpid()}".encode())
+        sock.setsockopt(zmq.IDENTITY, P.worker_identity(tag, self.rank, os.getpid()))
         sock.setsockopt(zmq.LINGER, 200)
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.connect(self.endpoint)
@@ -74,7 +74,7 @@ class ControlClient:
             log.warning("control message %s not sent: %s", msg.type, exc)
 
     def _run(self) -> None:
-        sock = self._socket("h")
+        sock = self._socket(P.MONITOR_CHANNEL)
         sock.send(P.encode(self._hello))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)

@@ -240,7 +240,8 @@ class HPWrapper:
                 if usage:   # said first: the agent ends the job as soon as it reads the fault
                     sys.stderr.write(one_line(exc) + "\n")
                     sys.stderr.flush()
-                exit_code = EXIT_USAGE if usage else int(getattr(exc, "exit_code", 1) or 1) if not retryable else 1
+                exit_code = (EXIT_USAGE if usage else P.exit_code_of(getattr(exc, "exit_code", 1))) if not retryable \
+                    else 1
                 sess.send(P.Fault(rank=sess.rank, pid=os.getpid(), generation=gen, exc_type=type(exc).__name__,
                                   summary=str(exc)[:500], step=sess.step, secondary=secondary, retryable=retryable,
                                   exit_code=exit_code, traceback=tb_text))

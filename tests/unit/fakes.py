@@ -263,7 +263,9 @@ class Harness:
         return self.procs.workers[local_rank]
 
     def ident(self, local_rank: int) -> bytes:
-        return b"id-%d" % self.proc(local_rank).pid
+        """The monitor socket's identity of the rank's process, as the runtime names it (protocol.py)."""
+        proc = self.proc(local_rank)
+        return P.worker_identity(P.MONITOR_CHANNEL, proc.rank, proc.pid)
 
     # ---------------------------------------------------------------- driving the loop
     def start(self) -> "Harness":

@@ -48,13 +48,14 @@ def test_a_rank_dying_during_the_round_is_respawned_into_it():
     h = running()
     h.fault(1, generation=0)
     old = h.proc(0).pid
+    old_ident = h.ident(0)
     h.exit(0, -signal.SIGKILL)                       # rank 0 dies while the others abort
     new = h.proc(0)
     assert new.pid != old and new.generation == 1 and new.source == "warm"
     assert h.launcher.spawned[-1] == (0, 1, 30001, True)
     assert h.sink.named("fault_folded") and h.sink.named("respawn")[0]["warm"] is True
     h.hello(0)                                       # the new process starts in generation 1: no RESTART for it
-    assert [i for i, _ in h.control.of(P.Restart)] == [b"id-%d" % old, h.ident(1)]
+    assert [i for i, _ in h.control.of(P.Restart)] == [old_ident, h.ident(1)]
     h.ready_all(1)
     h.tick()
     assert h.phase is Phase.RUNNING and [i for i, _ in h.control.of(P.Go)] == [h.ident(0), h.ident(1)]

@@ -153,6 +153,26 @@ def test_a_holder_that_never_renewed_gets_three_timeouts():
     assert watch.observe(1000.0, {1: ("a", None), 2: (None, None)}) == []
 
 
+def test_replaying_a_dead_nodes_old_lease_records_does_not_keep_it_alive():
+    """Issue 33, item 8: whoever can write the store replays node 1's own signed records (counts 5 and 6, over
+    and over); only a count past the highest seen for the incarnation is a renewal."""
+    watch = LeaseWatch(0, 2, timeout=5.0)
+    for t in range(1, 7):
+        assert watch.observe(float(t), {1: ("a", lease("a", t))}) == []   # renewals up to count 6 at t=6
+    events = []
+    for t in range(7, 12):
+        events += watch.observe(float(t), {1: ("a", lease("a", 5 if t % 2 else 6))})
+    assert events == [("node_lost", (1, "a", silent_for(5.0)))]
+
+
+def test_another_incarnations_lease_moving_is_no_renewal_of_the_holder():
+    watch = LeaseWatch(0, 2, timeout=5.0)
+    assert watch.observe(0.0, {1: ("b", lease("b", 1))}) == []
+    for t in range(1, 15):      # "a"'s lease moves on: no renewal of "b" (which is now judged never renewed)
+        assert watch.observe(float(t), {1: ("b", lease("a", 10 + t))}) == []
+    assert watch.observe(15.0, {1: ("b", lease("a", 30))}) == [("node_lost", (1, "b", silent_for(15.0)))]
+
+
 def test_a_lease_left_by_another_incarnation_is_no_renewal_of_the_holder():
     watch = LeaseWatch(0, 2, timeout=5.0)
     assert watch.observe(0.0, {1: ("b", lease("a", 9))}) == []
