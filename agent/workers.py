@@ -20,8 +20,8 @@ from hyperpodrun.agent.standby import StandbyPool
 from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
-from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_key, inprocess_env_overrides,
-                             worker_env)
+from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_hook, hand_down_key,
+                             inprocess_env_overrides, worker_env)
 from hyperpodrun.runtime import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -117,6 +117,7 @@ class WorkerLauncher:
             log.warning("setting OMP_NUM_THREADS=1 for each worker (torchrun's default with several workers "
                         "per node); set it yourself to tune")
         hand_down_key(env, self.rdzv.secret)
+        hand_down_hook(env)     # the roll call in every worker's init_process_group (runtime/group_hook.py)
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
         if self.cfg.inprocess_restart:
             for name in inprocess_env_overrides(env):

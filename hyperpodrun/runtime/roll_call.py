@@ -1,0 +1,166 @@
+"""The roll call: right after a default process group forms, every member proves it knows the workers' key.
+
+Why: the workers' store of a generation is reachable by anyone who can reach its address (on one node: every
+user of the host, through loopback). A process outside the job can join the group as a rank whose real
+process is slow to start, and everything the job sends that rank (DDP's broadcast of the initial weights,
+restored state) would be its. The group itself cannot tell: its rendezvous carries no credential. So before
+any user collective each rank sends a proof - an HMAC under a key derived from the workers' key (which only
+the agent's workers hold, hyperpodrun/auth.py) over the job, the generation, the round's store (a fresh
+port in every round: the nonce GO and the spawn environment carry), the group's size and its own rank - and
+all ranks gather all proofs over the new group and check every one. A rank whose proof is wrong is not one
+of ours; no rank goes on (so none sends it anything), the generation fails with RollCallError naming it and
+the uid /proc/net/tcp shows connected to the job's ports (hyperpodrun/netwatch.py), and the agent retries the
+round on a fresh store.
+
+Only fixed-size bytes cross the network (32 per rank); nothing read from it is decoded beyond a compare.
+HYPERPODRUN_ROLL_CALL=0 turns it off (hyperpodrun/settings.py). Outside hyperpodrun (no workers' key) it does
+nothing. The cost: one 32-byte all-gather (scripts/bench/roll_call_bench.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Optional, Sequence
+
+from hyperpodrun import auth, netwatch
+from hyperpodrun import env as E
+from hyperpodrun.errors import RollCallError
+
+log = logging.getLogger("hyperpodrun.runtime")
+
+PROOF_BYTES = 32
+#: seconds a gloo group's members have to answer: they all left init_process_group together (gloo connects
+#: the whole mesh before it returns), so only a member that is not running our code is late
+GLOO_ANSWER_S = 60.0
+
+
+@dataclass(frozen=True)
+class Roll:
+    """What every honest member of one group agrees on, and this member's place in it."""
+
+    run_id: str
+    generation: int
+    store: str          # the round's store, host:port: a fresh port in every round
+    world: int
+    rank: int
+
+    def context(self) -> bytes:
+        parts = (self.run_id.encode(), str(self.generation).encode(), self.store.encode(), str(self.world).encode())
+        return b"roll-call/" + b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def roll_key(worker_key: bytes) -> bytes:
+    """The roll call's own key, one-way from the workers' key."""
+    return auth.derive(worker_key, "roll-call")
+
+
+def proof(key: bytes, roll: Roll, rank: Optional[int] = None) -> bytes:
+    """The proof rank `rank` (default: roll.rank) gives in `roll`, under `key` (roll_key)."""
+    who = roll.rank if rank is None else rank
+    return hmac.new(key, roll.context() + struct.pack("<Q", who), hashlib.sha256).digest()
+
+
+def failed_ranks(key: bytes, roll: Roll, gathered: bytes) -> list[int]:
+    """The ranks whose proof in `gathered` (PROOF_BYTES per rank, in rank order) is wrong."""
+    if len(gathered) != PROOF_BYTES * roll.world:
+        return list(range(roll.world))
+    return [r for r in range(roll.world)
+            if not hmac.compare_digest(gathered[r * PROOF_BYTES:(r + 1) * PROOF_BYTES], proof(key, roll, r))]
+
+
+def describe(ranks: Sequence[int], generation: int, uids: Sequence[int]) -> str:
+    """The plain message: 'a process outside the job took rank 1's place in generation 0 (uid 65534)'."""
+    who = f"(uid {', '.join(str(u) for u in sorted(set(uids)))})" if uids else "(uid unknown)"
+    if not ranks:
+        return f"a process outside the job joined the worker group of generation {generation} {who}"
+    if len(ranks) == 1:
+        return f"a process outside the job took rank {ranks[0]}'s place in generation {generation} {who}"
+    names = ", ".join(str(r) for r in ranks)
+    return f"processes outside the job took the places of ranks {names} in generation {generation} {who}"
+
+
+def foreign_uids(ports: Sequence[int]) -> list[int]:
+    """The uids other than ours connected to `ports` or to a port this process listens on (its gloo pairs)."""
+    rows = netwatch.read_tables()
+    mine = netwatch.listening_ports([os.getpid()], rows)
+    return sorted({uid for uid, _ in netwatch.foreign_clients(set(ports) | mine, rows=rows)})
+
+
+def current_roll(rank: int, world: int, environ: Optional[Mapping[str, str]] = None) -> Optional[Roll]:
+    """This process's roll in a group of `world` where it is `rank`, from the environment the agent wrote
+    (None when it is not one of the agent's workers: nothing to prove)."""
+    env = os.environ if environ is None else environ
+    ctx = E.worker_context(env)
+    if ctx.job_key is None or not ctx.run_id:
+        return None
+    return Roll(run_id=ctx.run_id, generation=ctx.generation, world=world, rank=rank,
+                store=f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}")
+
+
+def _device(dist: Any, group: Any) -> Any:
+    """Where the group's collectives run: the CPU when it has a CPU backend (gloo), else its device."""
+    import torch
+    kind = dist.distributed_c10d._get_object_coll_device(group)
+    if kind == "cpu":
+        return torch.device("cpu")
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None:
+        return bound
+    module = getattr(torch, kind)
+    return torch.device(kind, module.current_device())
+
+
+def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> bytes:
+    """All members' proofs over `group`, in rank order (a fixed-size all-gather of raw bytes)."""
+    import torch
+    import torch.distributed as dist
+    device = _device(dist, group)
+    send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    out = torch.empty(world * PROOF_BYTES, dtype=torch.uint8, device=device)
+    work = dist.all_gather_into_tensor(out, send, group=group, async_op=True)
+    if timeout_s is not None and device.type == "cpu":
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    else:
+        work.wait()
+    return bytes(out.cpu().untyped_storage())
+
+
+def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
+         answer_s: float = GLOO_ANSWER_S) -> Optional[float]:
+    """Hold the roll call in `group` (default: the default group). Returns its seconds, None when there is
+    nothing to prove (not the agent's worker, one member). RollCallError when a member is not one of ours."""
+    import time
+    import torch.distributed as dist
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    roll = current_roll(rank, world, environ)
+    if roll is None or world < 2:
+        return None
+    ctx = E.worker_context(os.environ if environ is None else environ)
+    assert ctx.job_key is not None
+    key = roll_key(ctx.job_key)
+    t0 = time.perf_counter()
+    try:
+        gathered = gather(group, proof(key, roll), world, answer_s)
+    except RuntimeError as exc:   # a member that does not take part: gloo's wait timed out, or it hung up
+        uids = foreign_uids(_ports(roll))
+        if not uids:
+            raise
+        raise RollCallError(f"{describe((), roll.generation, uids)}: the roll call failed "
+                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+                            uids=tuple(uids)) from None
+    bad = failed_ranks(key, roll, gathered)
+    if bad:
+        uids = foreign_uids(_ports(roll))
+        raise RollCallError(describe(bad, roll.generation, uids), ranks=tuple(bad), uids=tuple(uids))
+    return time.perf_counter() - t0
+
+
+def _ports(roll: Roll) -> list[int]:
+    port = roll.store.rpartition(":")[2]
+    return [int(port)] if port.isdigit() else []
