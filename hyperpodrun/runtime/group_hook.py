@@ -44,6 +44,7 @@ def _fail(exc: RollCallError) -> None:
     from hyperpodrun import env as E
     ctx = E.worker_context()
     if ctx.under_inprocess_restart or not ctx.launched:
+        log.error("hyperpodrun: %s", exc)
         raise exc
     message = f"hyperpodrun: {exc}; this generation fails and the agent retries it on a fresh store"
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -75,7 +76,6 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 took = roll_call.call()
             except RollCallError as exc:
-                log.error("hyperpodrun: %s", exc)
                 _fail(exc)
                 raise
             if took is not None:
@@ -91,7 +91,7 @@ def patch(c10d: ModuleType) -> None:
     c10d.init_process_group = wrap(c10d.init_process_group)   # type: ignore[attr-defined]
     parent = sys.modules.get("torch.distributed")
     if parent is not None and hasattr(parent, "init_process_group"):
-        parent.init_process_group = c10d.init_process_group
+        setattr(parent, "init_process_group", getattr(c10d, "init_process_group"))
 
 
 class _Loader(importlib.abc.Loader):
@@ -123,7 +123,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader)   # type: ignore[arg-type]
+                spec.loader = _Loader(spec.loader)
                 return spec
         return None
 

@@ -122,7 +122,8 @@ def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> b
     device = _device(dist, group)
     send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
     out = torch.empty(world * PROOF_BYTES, dtype=torch.uint8, device=device)
-    work = dist.all_gather_into_tensor(out, send, group=group, async_op=True)
+    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+    work = op(out, send, group=group, async_op=True)
     if timeout_s is not None and device.type == "cpu":
         work.wait(timeout=timedelta(seconds=timeout_s))
     else:
