@@ -6,9 +6,11 @@ Two parts, one idea - someone who is not the job is at the job's ports:
   RollCallError under HPWrapper) is retried once on a fresh store - every round opens a new one - without
   spending --max-restarts or counting as a failure of the step; when it happens again the job ends with the
   roll call's own message and EXIT_INTRUDER. An outsider at a fresh port a second time is not bad luck.
-- `IntruderWatch`: every second the agent reads /proc/net/tcp{,6} (hyperpodrun/netwatch.py) for
-  connections from another uid to its workers' store or to the ports its workers listen on (gloo, peer
-  copies) and emits `foreign_connection` (uid, port) once per pair: the operator learns of a probe even when
+- `IntruderWatch`: at every tick of its loop (--monitor-interval, 0.1 s) the agent reads /proc/net/tcp{,6}
+  (hyperpodrun/netwatch.py) for connections from another uid to its workers' store or to the ports its
+  workers listen on (gloo, peer copies; looked up once a second) and emits `foreign_connection` (uid, port)
+  once per pair. Often: an outsider that breaks the group's first collective may be gone within a second,
+  before the rank that caught it reads the tables, and the agent's sighting is what names it: the operator learns of a probe even when
   it never got as far as a group. On one node this sees every local user; a client on another host is not in
   this host's tables.
 """
@@ -53,10 +55,20 @@ class RollCallFailures:
     def __init__(self, events: Events) -> None:
         self.events = events
         self.seen = 0
+        #: the uids the agent itself saw at the job's ports (IntruderWatch, wired by the node): they name the
+        #: outsider when the rank could not (it had hung up before the rank read the tables)
+        self.known_uids: Callable[[], set[int]] = set
+
+    def _message(self, info: FailureInfo) -> str:
+        message = roll_call_message(info)
+        uids = self.known_uids()
+        if message.endswith("(uid unknown)") and uids:
+            message = message[:-len("(uid unknown)")] + f"(uid {', '.join(str(u) for u in sorted(uids))})"
+        return message
 
     def retry(self, info: FailureInfo) -> bool:
         """Report the failed roll call; True: retry the round (not counted), False: end the job with it."""
-        message = roll_call_message(info)
+        message = self._message(info)
         self.seen += 1
         again = self.seen > MAX_RETRIES
         self.events.emit("roll_call_failed", f"roll call failed: {message}; " +
@@ -67,7 +79,7 @@ class RollCallFailures:
 
     def final(self, info: FailureInfo) -> FailureInfo:
         """The job's failure record for a recurring intruder: its message, EXIT_INTRUDER."""
-        message = roll_call_message(info)
+        message = self._message(info)
         return info.with_(summary=message, cause=message, exit_code=EXIT_INTRUDER)
 
 
@@ -76,6 +88,7 @@ class IntruderWatch:
 
     def __init__(self, events: Events, store_ports: Callable[[], Iterable[int]],
                  worker_pids: Callable[[], Iterable[int]], interval: float = 1.0, uid: Optional[int] = None) -> None:
+        """`interval`: seconds between two looks at which ports the workers listen on (their fds)."""
         self.events = events
         self.store_ports = store_ports
         self.worker_pids = worker_pids
@@ -83,16 +96,21 @@ class IntruderWatch:
         self.uid = os.getuid() if uid is None else uid
         self.reported: set[tuple[int, int]] = set()
         self._next = 0.0
+        self._listening: set[int] = set()
+
+    def uids(self) -> set[int]:
+        """Every foreign uid seen so far, after one more look now."""
+        self.poll(self._next)
+        return {uid for uid, _ in self.reported}
 
     def poll(self, now: float) -> list[tuple[int, int]]:
-        """Look once a second at most; returns the (uid, port) pairs reported now."""
-        if now < self._next:
-            return []
-        self._next = now + self.interval
+        """Look at the tables; returns the (uid, port) pairs reported now."""
         rows = netwatch.read_tables()
-        ports = netwatch.listening_ports(self.worker_pids(), rows)
+        if now >= self._next:
+            self._next = now + self.interval
+            self._listening = netwatch.listening_ports(self.worker_pids(), rows)
         stores = set(self.store_ports())
-        ports |= stores
+        ports = self._listening | stores
         if not ports:
             return []
         new = sorted(netwatch.foreign_clients(ports, uid=self.uid, rows=rows) - self.reported)

@@ -62,6 +62,7 @@ class Node:
         self.injector: Optional[Injector] = None
         self._warned_unwrapped = False
         self.intruders = IntruderWatch(events, self._store_ports, lambda: [p.pid for p in procs.workers.values()])
+        self.restarts.roll_calls.known_uids = self.intruders.uids
 
     def attach(self, *, inproc: Optional["InProcess"] = None, gpu: Optional["GpuHealth"] = None,
                injector: Optional["Injector"] = None) -> None:

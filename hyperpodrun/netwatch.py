@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-ESTABLISHED, SYN_RECV, LISTEN = 0x01, 0x03, 0x0A
+ESTABLISHED, TIME_WAIT, LISTEN = 0x01, 0x06, 0x0A
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,18 @@ def _port(field: str) -> int:
     return int(field.rpartition(":")[2], 16)
 
 
+_MAPPED = "0000000000000000FFFF0000"   # ::ffff:a.b.c.d as the tcp6 table writes it (then a.b.c.d as tcp does)
+
+
+def _endpoint(field: str) -> str:
+    """`field` with an IPv4-mapped IPv6 address written as the IPv4 table writes it: one end of a connection
+    may be a v6 socket (torch's clients are) and the other a v4 one, in the other table."""
+    addr, _, port = field.rpartition(":")
+    if len(addr) == 32 and addr.startswith(_MAPPED):
+        addr = addr[len(_MAPPED):]
+    return f"{addr}:{port}"
+
+
 def parse(text: str) -> list[TcpEntry]:
     """The rows of one table's text (its header line and any malformed row skipped)."""
     rows = []
@@ -46,7 +58,7 @@ def parse(text: str) -> list[TcpEntry]:
             continue
         try:
             rows.append(TcpEntry(local_port=_port(parts[1]), remote_port=_port(parts[2]), state=int(parts[3], 16),
-                                 uid=int(parts[7]), inode=int(parts[9]), local=parts[1], remote=parts[2]))
+                                 uid=int(parts[7]), inode=int(parts[9]), local=_endpoint(parts[1]), remote=_endpoint(parts[2])))
         except ValueError:
             continue
     return rows
@@ -99,11 +111,12 @@ def foreign_clients(ports: Iterable[int], uid: Optional[int] = None,
     """(uid, port) of each connection to one of `ports` on this host from a client on this host whose uid is
     not `uid` (default: ours). A connection counts only when both of its ends are in our tables (the
     server's end: local = the client's remote and the other way round), so another user's connection to a
-    port of the same number on another host is not taken for one to ours."""
+    port of the same number on another host is not taken for one to ours. A connection that is closing
+    still counts (its client may just have exited); one in TIME_WAIT has lost its uid (the kernel shows 0)."""
     wanted = set(ports)
     mine = os.getuid() if uid is None else uid
     rows = read_tables() if rows is None else rows
     server_ends = {(row.local, row.remote) for row in rows if row.local_port in wanted and row.state != LISTEN}
     return {(row.uid, row.remote_port) for row in rows
-            if row.remote_port in wanted and row.uid != mine and row.state in (ESTABLISHED, SYN_RECV)
+            if row.remote_port in wanted and row.uid != mine and row.state not in (LISTEN, TIME_WAIT)
             and (row.remote, row.local) in server_ends}
