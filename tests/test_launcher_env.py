@@ -25,6 +25,7 @@ DOCUMENTED_OURS = {
     "HYPERPODRUN_ROOTLESS": "'1': the workers' store is hosted by the agent, a fresh one per generation",
     "HYPERPODRUN_JOB_KEY": "hex of the workers' key (derived from the job secret): authenticates peer copies",
     "PYTHONUNBUFFERED": "'1' unless the user set it, so worker lines reach the per-rank files at once",
+    "PYTHONPATH": "hyperpodrun's boot folder first (the roll call in init_process_group), then the user's",
 }
 
 # torchrun variables whose values legitimately differ between two launches: ports, paths and run ids
