@@ -7,7 +7,7 @@ restored state) would be its. The group itself cannot tell: its rendezvous carri
 any user collective each rank sends a proof - an HMAC under a key derived from the workers' key (which only
 the agent's workers hold, hyperpodrun/auth.py) over the job, the generation, the round's store (a fresh
 port in every round: the nonce GO and the spawn environment carry), the group's size and its own rank - and
-all ranks gather all proofs over the new group and check every one. A rank whose proof is wrong is not one
+all ranks gather all proofs over the new group and check every one (keyed BLAKE2b: a microsecond each). A rank whose proof is wrong is not one
 of ours; no rank goes on (so none sends it anything), the generation fails with RollCallError naming it and
 the uid /proc/net/tcp shows connected to the job's ports (hyperpodrun/netwatch.py), and the agent retries the
 round on a fresh store.
@@ -18,6 +18,7 @@ nothing. The cost: one 32-byte all-gather (scripts/bench/roll_call_bench.py).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -54,23 +55,35 @@ class Roll:
         return b"roll-call/" + b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
 
+@functools.lru_cache(maxsize=4)
 def roll_key(worker_key: bytes) -> bytes:
     """The roll call's own key, one-way from the workers' key."""
     return auth.derive(worker_key, "roll-call")
 
 
 def proof(key: bytes, roll: Roll, rank: Optional[int] = None) -> bytes:
-    """The proof rank `rank` (default: roll.rank) gives in `roll`, under `key` (roll_key)."""
+    """The proof rank `rank` (default: roll.rank) gives in `roll`, under `key` (roll_key): keyed BLAKE2b, one
+    C call (every rank computes one per member of the group)."""
     who = roll.rank if rank is None else rank
-    return hmac.new(key, roll.context() + struct.pack("<Q", who), hashlib.sha256).digest()
+    return hashlib.blake2b(roll.context() + struct.pack("<Q", who), key=key, digest_size=PROOF_BYTES).digest()
 
 
-def failed_ranks(key: bytes, roll: Roll, gathered: bytes) -> list[int]:
+def expected(key: bytes, roll: Roll) -> bytes:
+    """Every member's proof, in rank order: what the all-gather must return."""
+    context = roll.context()
+    return b"".join(hashlib.blake2b(context + struct.pack("<Q", r), key=key, digest_size=PROOF_BYTES).digest()
+                    for r in range(roll.world))
+
+
+def failed_ranks(key: bytes, roll: Roll, gathered: bytes, want: Optional[bytes] = None) -> list[int]:
     """The ranks whose proof in `gathered` (PROOF_BYTES per rank, in rank order) is wrong."""
-    if len(gathered) != PROOF_BYTES * roll.world:
+    want = expected(key, roll) if want is None else want
+    if len(gathered) != len(want):
         return list(range(roll.world))
-    return [r for r in range(roll.world)
-            if not hmac.compare_digest(gathered[r * PROOF_BYTES:(r + 1) * PROOF_BYTES], proof(key, roll, r))]
+    if hmac.compare_digest(gathered, want):
+        return []
+    return [r for r in range(roll.world) if not hmac.compare_digest(gathered[r * PROOF_BYTES:(r + 1) * PROOF_BYTES],
+                                                                     want[r * PROOF_BYTES:(r + 1) * PROOF_BYTES])]
 
 
 def describe(ranks: Sequence[int], generation: int, uids: Sequence[int]) -> str:
@@ -94,12 +107,17 @@ def foreign_uids(ports: Sequence[int]) -> list[int]:
 def current_roll(rank: int, world: int, environ: Optional[Mapping[str, str]] = None) -> Optional[Roll]:
     """This process's roll in a group of `world` where it is `rank`, from the environment the agent wrote
     (None when it is not one of the agent's workers: nothing to prove)."""
+    found = _roll_and_key(rank, world, environ)
+    return found[0] if found is not None else None
+
+
+def _roll_and_key(rank: int, world: int, environ: Optional[Mapping[str, str]]) -> Optional[tuple[Roll, bytes]]:
     env = os.environ if environ is None else environ
     ctx = E.worker_context(env)
     if ctx.job_key is None or not ctx.run_id:
         return None
-    return Roll(run_id=ctx.run_id, generation=ctx.generation, world=world, rank=rank,
-                store=f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}")
+    return (Roll(run_id=ctx.run_id, generation=ctx.generation, world=world, rank=rank,
+                 store=f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"), roll_key(ctx.job_key))
 
 
 def _device(dist: Any, group: Any) -> Any:
@@ -116,19 +134,27 @@ def _device(dist: Any, group: Any) -> Any:
 
 
 def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> bytes:
-    """All members' proofs over `group`, in rank order (a fixed-size all-gather of raw bytes)."""
+    """All members' proofs over `group`, in rank order (a fixed-size all-gather of raw bytes). On the CPU the
+    tensors are views of Python byte buffers: nothing is copied on either side of the collective."""
     import torch
     import torch.distributed as dist
     device = _device(dist, group)
-    send = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
-    out = torch.empty(world * PROOF_BYTES, dtype=torch.uint8, device=device)
+    result = bytearray(world * PROOF_BYTES)
+    host_out = torch.frombuffer(result, dtype=torch.uint8)
+    send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    on_cpu = device.type == "cpu"
+    out = host_out if on_cpu else torch.empty(world * PROOF_BYTES, dtype=torch.uint8, device=device)
+    if not on_cpu:
+        send = send.to(device)
     op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
     work = op(out, send, group=group, async_op=True)
-    if timeout_s is not None and device.type == "cpu":
+    if timeout_s is not None and on_cpu:
         work.wait(timeout=timedelta(seconds=timeout_s))
     else:
         work.wait()
-    return bytes(out.cpu().untyped_storage())
+    if not on_cpu:
+        host_out.copy_(out)    # synchronous: waits for the collective on the device
+    return bytes(result)
 
 
 def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
@@ -139,12 +165,10 @@ def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
     import torch.distributed as dist
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    roll = current_roll(rank, world, environ)
-    if roll is None or world < 2:
+    found = _roll_and_key(rank, world, environ) if world > 1 else None
+    if found is None:
         return None
-    ctx = E.worker_context(os.environ if environ is None else environ)
-    assert ctx.job_key is not None
-    key = roll_key(ctx.job_key)
+    roll, key = found
     t0 = time.perf_counter()
     try:
         gathered = gather(group, proof(key, roll), world, answer_s)
