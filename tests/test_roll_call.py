@@ -20,35 +20,49 @@ from hyperpodrun.errors import EXIT_INTRUDER
 IS_ROOT = os.geteuid() == 0
 SECRET_VALUE = 7.25            # rank 0's "secret" initial weights: the outsider must never see it
 
-WORKER = """
+TRAIN = """
 import json, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-out = Path(sys.argv[1])
-rank, gen = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-if rank == 1 and gen == 0:     # slow to start: until the test has let the outsider in (with a deadline)
-    deadline = time.monotonic() + 120
-    while not (out / "release").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-dist.init_process_group("gloo")
-model = torch.nn.Linear(4, 1)
-with torch.no_grad():
-    model.weight.fill_(SECRET if rank == 0 else 0.0)    # DDP broadcasts rank 0's weights to every rank
-    model.bias.fill_(SECRET if rank == 0 else 0.0)
-ddp = DDP(model)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-for step in range(5):
-    x = torch.full((2, 4), float(rank + 1 + step))
-    loss = (ddp(x) - 1.0).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-(out / f"final{rank}.json").write_text(json.dumps([p.detach().flatten().tolist() for p in model.parameters()]))
-del ddp, opt
-dist.destroy_process_group()
+
+def run(out, rank, gen):
+    if rank == 1 and gen == 0:     # slow to start: until the test has let the outsider in (with a deadline)
+        deadline = time.monotonic() + 120
+        while not (out / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    dist.init_process_group("gloo")
+    model = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(SECRET if rank == 0 else 0.0)    # DDP broadcasts rank 0's weights to every rank
+        model.bias.fill_(SECRET if rank == 0 else 0.0)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5):
+        x = torch.full((2, 4), float(rank + 1 + step))
+        loss = (ddp(x) - 1.0).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    (out / f"final{rank}.json").write_text(json.dumps([p.detach().flatten().tolist() for p in model.parameters()]))
+    del ddp, opt
+    dist.destroy_process_group()
+
 """.replace("SECRET", repr(SECRET_VALUE))
+WORKER = TRAIN + 'run(Path(sys.argv[1]), int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"]))\n'
+# the same training inside HPWrapper, for --inprocess-restart: each generation re-enters main()
+WORKER_INPROCESS = TRAIN + """
+from hyperpodrun import HPWrapper
+
+
+@HPWrapper()
+def main(caller=None):
+    run(Path(sys.argv[1]), caller.rank, caller.iteration)
+
+
+main()
+"""
 
 OUTSIDER = """
 import sys
@@ -92,14 +106,16 @@ def _nobody_can_run_torch() -> bool:
 
 
 @pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None, reason="acting as another user needs root")
-def test_outsider_in_place_of_a_slow_rank_gets_nothing_and_is_named(launcher, tmp_path: Path) -> None:
+@pytest.mark.parametrize("inprocess", [False, True], ids=["process-restart", "inprocess-restart"])
+def test_outsider_in_place_of_a_slow_rank_gets_nothing_and_is_named(launcher, tmp_path: Path, inprocess: bool) -> None:
     if not _nobody_can_run_torch():
         pytest.skip("uid 65534 cannot import torch from this interpreter")
     out = tmp_path / "out"
     out.mkdir()
-    script = write_script(tmp_path, "train.py", WORKER)
-    # --max-restarts 0: the retry after a failed roll call is not counted against it
-    job = launcher.start(["--nproc-per-node", "2", "--max-restarts", "0", str(script), str(out)])
+    script = write_script(tmp_path, "train.py", WORKER_INPROCESS if inprocess else WORKER)
+    # --max-restarts 0 and --max-step-failures 1: the retry after a failed roll call is counted against neither
+    mode = ["--inprocess-restart", "--max-step-failures", "1"] if inprocess else []
+    job = launcher.start(["--nproc-per-node", "2", "--max-restarts", "0", *mode, str(script), str(out)])
 
     def store_port() -> int:
         for e in read_events(launcher.log_dir):
