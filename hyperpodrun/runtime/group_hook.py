@@ -70,9 +70,16 @@ def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
+        from hyperpodrun.runtime import roll_call
+        try:
+            result = original(*args, **kwargs)
+        except Exception as exc:   # junk in the rendezvous keys: say who, not "fix your script"
+            outsider = roll_call.outside_cause(exc) if _enabled() else None
+            if outsider is None:
+                raise
+            _fail(outsider)
+            raise outsider from exc
         if _enabled():
-            from hyperpodrun.runtime import roll_call
             try:
                 took = roll_call.call()
             except RollCallError as exc:

@@ -186,6 +186,27 @@ def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
     return time.perf_counter() - t0
 
 
+def outside_cause(exc: BaseException, environ: Optional[Mapping[str, str]] = None) -> Optional[RollCallError]:
+    """When forming the group failed (`exc`) while a process of another uid is connected to the round's store
+    or to this process's ports - junk in the rendezvous keys, a rank's place taken - the error that names
+    that outside cause instead of blaming the script; None when no outsider is in sight."""
+    env = os.environ if environ is None else environ
+    try:
+        rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return None
+    found = _roll_and_key(rank, world, environ)
+    if found is None:
+        return None
+    uids = foreign_uids(_ports(found[0]))
+    if not uids:
+        return None
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return RollCallError(f"a process outside the job (uid {', '.join(str(u) for u in uids)}) is connected to the "
+                         f"workers' store of generation {found[0].generation} and the group failed to form: {first}",
+                         uids=tuple(uids))
+
+
 def _ports(roll: Roll) -> list[int]:
     port = roll.store.rpartition(":")[2]
     return [int(port)] if port.isdigit() else []

@@ -194,3 +194,33 @@ def test_a_one_member_group_has_nothing_to_prove(monkeypatch: pytest.MonkeyPatch
         assert roll_call.call() is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_that_fails_to_form_with_an_outsider_at_the_store_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 2: junk in the rendezvous keys - the failure names the outsider, not the script."""
+    env = {"HYPERPODRUN_JOB_KEY": "ab" * 32, "TORCHELASTIC_RUN_ID": "r", "HYPERPODRUN_GENERATION": "4",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000", "RANK": "0", "WORLD_SIZE": "2"}
+    seen: list[list[int]] = []
+    monkeypatch.setattr(roll_call, "foreign_uids", lambda ports: seen.append(ports) or [65534])
+    junk = RuntimeError("Invalid address: junk\nmore")
+    exc = roll_call.outside_cause(junk, env)
+    assert isinstance(exc, RollCallError) and exc.uids == (65534,) and seen == [[4000]]
+    assert str(exc) == ("a process outside the job (uid 65534) is connected to the workers' store of generation 4 "
+                        "and the group failed to form: Invalid address: junk")
+    monkeypatch.setattr(roll_call, "foreign_uids", lambda ports: [])
+    assert roll_call.outside_cause(junk, env) is None                      # nobody in sight: the error as it is
+    assert roll_call.outside_cause(junk, {**env, "HYPERPODRUN_JOB_KEY": ""}) is None   # not the agent's worker
+
+
+def test_the_wrap_turns_a_failed_rendezvous_with_an_outsider_into_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def init_process_group() -> None:
+        raise RuntimeError("wait timeout after 15000ms, keys: /default_pg/0//cpu//0/1")
+    wrapped = group_hook.wrap(init_process_group)
+    for name in ("HYPERPODRUN_RUN_DIR", "TORCHELASTIC_RUN_ID", "HYPERPODRUN_CONTROL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(roll_call, "outside_cause", lambda exc: RollCallError(f"outsider: {exc}"))
+    with pytest.raises(RollCallError, match="outsider: wait timeout"):
+        wrapped()
+    monkeypatch.setattr(roll_call, "outside_cause", lambda exc: None)
+    with pytest.raises(RuntimeError, match="wait timeout"):
+        wrapped()
