@@ -6,10 +6,10 @@ Two parts, one idea - someone who is not the job is at the job's ports:
   RollCallError under HPWrapper) is retried once on a fresh store - every round opens a new one - without
   spending --max-restarts or counting as a failure of the step; when it happens again the job ends with the
   roll call's own message and EXIT_INTRUDER. An outsider at a fresh port a second time is not bad luck.
-- `IntruderWatch`: at every tick of its loop (--monitor-interval, 0.1 s) the agent reads /proc/net/tcp{,6}
-  (hyperpodrun/netwatch.py) for connections from another uid to its workers' store or to the ports its
-  workers listen on (gloo, peer copies; looked up once a second) and emits `foreign_connection` (uid, port)
-  once per pair. Often: an outsider that breaks the group's first collective may be gone within a second,
+- `IntruderWatch`: four times a second the agent reads /proc/net/tcp{,6} (hyperpodrun/netwatch.py) for
+  connections from another uid to its workers' store or to the ports its workers listen on (gloo, peer
+  copies; looked up from the workers' fds every 5 s) and emits `foreign_connection` (uid, port) once per
+  pair. Often: an outsider that breaks the group's first collective may be gone within a second,
   before the rank that caught it reads the tables, and the agent's sighting is what names it: the operator learns of a probe even when
   it never got as far as a group. On one node this sees every local user; a client on another host is not in
   this host's tables.
@@ -87,24 +87,31 @@ class IntruderWatch:
     """Emits `foreign_connection` for connections from another uid to the store's or the workers' ports."""
 
     def __init__(self, events: Events, store_ports: Callable[[], Iterable[int]],
-                 worker_pids: Callable[[], Iterable[int]], interval: float = 1.0, uid: Optional[int] = None) -> None:
-        """`interval`: seconds between two looks at which ports the workers listen on (their fds)."""
+                 worker_pids: Callable[[], Iterable[int]], interval: float = 5.0, look_every: float = 0.25,
+                 uid: Optional[int] = None) -> None:
+        """`interval`: seconds between two looks at which ports the workers listen on (their fds);
+        `look_every`: seconds between two reads of the tables."""
         self.events = events
         self.store_ports = store_ports
         self.worker_pids = worker_pids
         self.interval = interval
         self.uid = os.getuid() if uid is None else uid
         self.reported: set[tuple[int, int]] = set()
+        self.look_every = look_every
         self._next = 0.0
+        self._next_look = 0.0
         self._listening: set[int] = set()
 
     def uids(self) -> set[int]:
         """Every foreign uid seen so far, after one more look now."""
-        self.poll(self._next)
+        self.poll(max(self._next, self._next_look))
         return {uid for uid, _ in self.reported}
 
     def poll(self, now: float) -> list[tuple[int, int]]:
-        """Look at the tables; returns the (uid, port) pairs reported now."""
+        """Look at the tables (every `look_every` s); returns the (uid, port) pairs reported now."""
+        if now < self._next_look:
+            return []
+        self._next_look = now + self.look_every
         rows = netwatch.read_tables()
         if now >= self._next:
             self._next = now + self.interval
