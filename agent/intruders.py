@@ -6,13 +6,14 @@ Two parts, one idea - someone who is not the job is at the job's ports:
   RollCallError under HPWrapper) is retried once on a fresh store - every round opens a new one - without
   spending --max-restarts or counting as a failure of the step; when it happens again the job ends with the
   roll call's own message and EXIT_INTRUDER. An outsider at a fresh port a second time is not bad luck.
-- `IntruderWatch`: four times a second the agent reads /proc/net/tcp{,6} (hyperpodrun/netwatch.py) for
+- `IntruderWatch`: once a second the agent reads /proc/net/tcp{,6} (hyperpodrun/netwatch.py) for
   connections from another uid to its workers' store or to the ports its workers listen on (gloo, peer
   copies; looked up from the workers' fds every 5 s) and emits `foreign_connection` (uid, port) once per
-  pair. Often: an outsider that breaks the group's first collective may be gone within a second,
-  before the rank that caught it reads the tables, and the agent's sighting is what names it: the operator learns of a probe even when
-  it never got as far as a group. On one node this sees every local user; a client on another host is not in
-  this host's tables.
+  pair: the operator learns of a probe even when it never got as far as a group, and an outsider that
+  broke the group's first collective and was gone before the rank that caught it read the tables is still
+  named (RollCallFailures.known_uids). Once a second: a read of the tables walks the kernel's whole TCP hash
+  (measured: 13 ms on a loaded 2-CPU VM). On one node this sees every local user; a client on another
+  host is not in this host's tables.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class IntruderWatch:
     """Emits `foreign_connection` for connections from another uid to the store's or the workers' ports."""
 
     def __init__(self, events: Events, store_ports: Callable[[], Iterable[int]],
-                 worker_pids: Callable[[], Iterable[int]], interval: float = 5.0, look_every: float = 0.25,
+                 worker_pids: Callable[[], Iterable[int]], interval: float = 5.0, look_every: float = 1.0,
                  uid: Optional[int] = None) -> None:
         """`interval`: seconds between two looks at which ports the workers listen on (their fds);
         `look_every`: seconds between two reads of the tables."""
