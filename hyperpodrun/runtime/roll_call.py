@@ -5,8 +5,8 @@ user of the host, through loopback). A process outside the job can join the grou
 process is slow to start, and everything the job sends that rank (DDP's broadcast of the initial weights,
 restored state) would be its. The group itself cannot tell: its rendezvous carries no credential. So before
 any user collective each rank sends a proof - an HMAC under a key derived from the workers' key (which only
-the agent's workers hold, hyperpodrun/auth.py) over the job, the generation, the round's store (a fresh
-port in every round: the nonce GO and the spawn environment carry), the group's size and its own rank - and
+the agent's workers hold, hyperpodrun/auth.py) over the job, the generation, the round's store's port (fresh
+in every round: the nonce GO and the spawn environment carry), the group's size and its own rank - and
 all ranks gather all proofs over the new group and check every one (keyed BLAKE2b: a microsecond each). A rank whose proof is wrong is not one
 of ours; no rank goes on (so none sends it anything), the generation fails with RollCallError naming it and
 the uid /proc/net/tcp shows connected to the job's ports (hyperpodrun/netwatch.py), and the agent retries the
@@ -46,7 +46,8 @@ class Roll:
 
     run_id: str
     generation: int
-    store: str          # the round's store, host:port: a fresh port in every round
+    store: str          # the port of the round's store: fresh in every round (not its address, which nodes may
+                        # write differently: a host name on one, an IP on another)
     world: int
     rank: int
 
@@ -117,7 +118,7 @@ def _roll_and_key(rank: int, world: int, environ: Optional[Mapping[str, str]]) -
     if ctx.job_key is None or not ctx.run_id:
         return None
     return (Roll(run_id=ctx.run_id, generation=ctx.generation, world=world, rank=rank,
-                 store=f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"), roll_key(ctx.job_key))
+                 store=env.get("MASTER_PORT", "")), roll_key(ctx.job_key))
 
 
 def _device(dist: Any, group: Any) -> Any:
@@ -208,5 +209,4 @@ def outside_cause(exc: BaseException, environ: Optional[Mapping[str, str]] = Non
 
 
 def _ports(roll: Roll) -> list[int]:
-    port = roll.store.rpartition(":")[2]
-    return [int(port)] if port.isdigit() else []
+    return [int(roll.store)] if roll.store.isdigit() else []

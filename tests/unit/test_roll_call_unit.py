@@ -18,7 +18,7 @@ from hyperpodrun.runtime import group_hook, roll_call
 from hyperpodrun.runtime.roll_call import PROOF_BYTES, Roll
 
 KEY = roll_call.roll_key(b"k" * 32)
-ROLL = Roll(run_id="run", generation=2, store="127.0.0.1:4000", world=3, rank=0)
+ROLL = Roll(run_id="run", generation=2, store="4000", world=3, rank=0)
 
 
 def _gathered(roll: Roll, key: bytes = KEY) -> bytes:
@@ -43,7 +43,7 @@ def test_a_gather_of_the_wrong_size_fails_everyone() -> None:
     assert roll_call.failed_ranks(KEY, ROLL, _gathered(ROLL)[:-1]) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("change", [dict(generation=3), dict(store="127.0.0.1:4001"), dict(run_id="other"),
+@pytest.mark.parametrize("change", [dict(generation=3), dict(store="4001"), dict(run_id="other"),
                                     dict(world=4)])
 def test_a_proof_holds_for_its_own_round_only(change: dict[str, Any]) -> None:
     """A proof from another generation, round (store port), job or group size is refused: no replay."""
@@ -75,7 +75,7 @@ def test_the_error_is_in_the_one_hierarchy() -> None:
 def test_the_roll_comes_from_the_agents_environment() -> None:
     env = {"HYPERPODRUN_JOB_KEY": "ab" * 32, "TORCHELASTIC_RUN_ID": "r", "HYPERPODRUN_GENERATION": "5",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "123"}
-    assert roll_call.current_roll(1, 2, env) == Roll(run_id="r", generation=5, store="127.0.0.1:123", world=2,
+    assert roll_call.current_roll(1, 2, env) == Roll(run_id="r", generation=5, store="123", world=2,
                                                      rank=1)
     assert roll_call.current_roll(1, 2, {k: v for k, v in env.items() if k != "HYPERPODRUN_JOB_KEY"}) is None
 
