@@ -122,7 +122,10 @@ def _roll_and_key(rank: int, world: int, environ: Optional[Mapping[str, str]]) -
 
 
 def _device(dist: Any, group: Any) -> Any:
-    """Where the group's collectives run: the CPU when it has a CPU backend (gloo), else its device."""
+    """Where the group's collectives run: the CPU when it has a CPU backend (gloo), else its device - the one
+    init_process_group(device_id=) bound, else the current one when the script chose it, else the local
+    rank's (torch's own guess for a barrier): a script that calls set_device only after forming the group
+    must not have every rank's communicator made on GPU 0."""
     import torch
     kind = dist.distributed_c10d._get_object_coll_device(group)
     if kind == "cpu":
@@ -131,7 +134,10 @@ def _device(dist: Any, group: Any) -> Any:
     if bound is not None:
         return bound
     module = getattr(torch, kind)
-    return torch.device(kind, module.current_device())
+    index = module.current_device()
+    if index == 0 and module.device_count() > 1:
+        index = int(os.environ.get("LOCAL_RANK", "0")) % module.device_count()
+    return torch.device(kind, index)
 
 
 def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> bytes:
