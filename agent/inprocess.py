@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 from hyperpodrun import protocol as P
 from hyperpodrun import settings
 from hyperpodrun.agent.elastic import Elastic
+from hyperpodrun.agent.intruders import is_roll_call_failure
 from hyperpodrun.agent.ports import Clock, ControlSender, Coordination, Events, NodeOps, RendezvousInfo
 from hyperpodrun.agent.rankstate import (ABORTED, RankState, Round, StepGuard, first_to_kill, not_ready,
                                          progress_culprits, stuck_ranks)
@@ -174,6 +175,8 @@ class InProcess:
             return
         if msg.generation < self.state.generation and self.round is None:
             return  # a late report from an older generation
+        if is_roll_call_failure(info) and self.round is None and not self.ops.outsider(info):
+            return   # a process outside the job took a rank's place again: the job ends (agent/intruders.py)
         self.fault(info, failed=())
 
     # ------------------------------------------------------------------ faults
@@ -470,7 +473,7 @@ class InProcess:
         self.ops.escalate(r.target, root)
 
     def _go(self, r: Round, port: int, now: float) -> None:
-        if not r.root.remote and self._step_guard(r.root):
+        if not r.root.remote and not is_roll_call_failure(r.root) and self._step_guard(r.root):
             self.round = None
             return
         self.events.emit("barrier_complete", f"every rank ready for generation {r.target}", generation=r.target,

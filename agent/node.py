@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 from hyperpodrun import protocol as P
 from hyperpodrun.agent.ports import (Clock, Coordination, Events, Launcher, Posted, ProcessTable, RendezvousInfo,
                                      WorkerStoreHost)
+from hyperpodrun.agent.intruders import IntruderWatch
 from hyperpodrun.agent.report import failure_summary
 from hyperpodrun.agent.restart_policy import ProcessRestart
 from hyperpodrun.agent.state import NodeState, Phase, StopPlan
 from hyperpodrun.agent.store_schema import FailureInfo, NodeLoss
 from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, EXIT_NODE_NOT_REPLACED
+from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, EXIT_INTRUDER, EXIT_NODE_NOT_REPLACED
 
 if TYPE_CHECKING:
     from hyperpodrun.agent.gpu_health import GpuHealth
@@ -60,6 +61,8 @@ class Node:
         self.gpu: Optional[GpuHealth] = None
         self.injector: Optional[Injector] = None
         self._warned_unwrapped = False
+        self.intruders = IntruderWatch(events, self._store_ports, lambda: [p.pid for p in procs.workers.values()])
+        self.restarts.roll_calls.known_uids = self.intruders.uids
 
     def attach(self, *, inproc: Optional["InProcess"] = None, gpu: Optional["GpuHealth"] = None,
                injector: Optional["Injector"] = None) -> None:
@@ -250,9 +253,18 @@ class Node:
         if self.inproc is not None:
             self.inproc.on_message(ident, msg)
 
+    def _store_ports(self) -> list[int]:
+        """The ports of the workers' stores this agent serves now (the current generation's and a round's)."""
+        if self.wstores is None:
+            return []
+        gen = self.state.generation
+        stores = [self.wstores.get(g) for g in (gen, gen + 1, self.state.restarting_to or gen)]
+        return [int(getattr(s, "port")) for s in stores if s is not None and hasattr(s, "port")]
+
     def tick(self) -> None:
         """Time-driven progress: overdue causes, the in-process round, stopping, waiting for a store, finishing."""
         now = self.clock.monotonic()
+        self.intruders.poll(now)   # foreign_connection events (agent/intruders.py)
         self.restarts.tick(now)
         if self.inproc is not None and self.state.active:
             self.inproc.tick(now)
@@ -283,6 +295,14 @@ class Node:
     def fail_job(self, info: FailureInfo, code: int) -> None:
         """End the job: record the cause, tell the other nodes, stop every worker."""
         self.restarts.fail(info, code)
+
+    def outsider(self, info: FailureInfo) -> bool:
+        """A rank's roll call failed in-process: True to retry the round (not counted), False when it recurred
+        and the job is ending with its message (agent/intruders.py)."""
+        if self.restarts.roll_calls.retry(info):
+            return True
+        self.restarts.fail(self.restarts.roll_calls.final(info), EXIT_INTRUDER)
+        return False
 
     def escalate(self, target: int, root: FailureInfo) -> None:
         self.restarts.escalate(target, root)

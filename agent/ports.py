@@ -298,6 +298,8 @@ class NodeOps(Protocol):
 
     def leave(self, code: int, message: str) -> None: ...
 
+    def outsider(self, info: FailureInfo) -> bool: ...
+
 
 class GpuOps(Protocol):
     """The effects GPU health (agent/gpu_health.py) may ask for; carried out by the node on the loop thread."""

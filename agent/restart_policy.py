@@ -12,13 +12,14 @@ import logging
 import signal
 from typing import Optional, Protocol
 
+from hyperpodrun.agent.intruders import RollCallFailures, is_roll_call_failure
 from hyperpodrun.agent.ports import Clock, Coordination, Events
 from hyperpodrun.agent.report import CauseWindow, exit_is_symptom, exit_text, failure_summary
 from hyperpodrun.agent.state import NodeState, Phase, StopPlan
 from hyperpodrun.agent.store_schema import FailureInfo
 from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit, shell_code
 from hyperpodrun.config import LaunchConfig
-from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED
+from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_INTRUDER, EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED
 
 
 class Stopper(Protocol):
@@ -42,6 +43,7 @@ class ProcessRestart:
         self.clock = clock
         self.stopper = stopper
         self.causes = CauseWindow(exit_grace_s)   # which rank failed first
+        self.roll_calls = RollCallFailures(events)   # outsiders in a worker group (agent/intruders.py)
 
     # ------------------------------------------------------------------ local failures
     def worker_failed(self, proc: WorkerProcess, code: int, error_file: Optional[str],
@@ -80,6 +82,9 @@ class ProcessRestart:
 
     def restart_or_fail(self, info: FailureInfo, message: str) -> None:
         """Restart every worker of the job while the budget lasts, else end the job."""
+        if is_roll_call_failure(info):
+            self._outsider(info)
+            return
         self.events.emit("fault", message, rank=info.rank, exit_code=info.exit_code,
                          generation=self.state.generation, level=logging.ERROR)
         grant = self.coord.request_restart(self.state.generation, info, count_budget=True)
@@ -97,6 +102,18 @@ class ProcessRestart:
         self.state.record_failure(info)
         self.coord.report_failure(info)
         self.stopper.begin_stop(StopPlan.exit(info.exit_code), self.cfg.shutdown_signal)
+
+    def _outsider(self, info: FailureInfo) -> None:
+        """A worker's roll call failed: a process outside the job took a rank's place. Retried once on a fresh
+        store, outside the --max-restarts budget; the second time the job ends with the roll call's message."""
+        if not self.roll_calls.retry(info):
+            self.fail(self.roll_calls.final(info), EXIT_INTRUDER)
+            return
+        grant = self.coord.request_restart(self.state.generation, info, count_budget=False)
+        self.events.emit("restart_begin", f"restart after a failed roll call (not counted): generation "
+                         f"{self.state.generation} -> {grant.generation}", generation=grant.generation,
+                         root_cause=info.summary)
+        self.stopper.begin_stop(StopPlan.restart(grant.generation), self.cfg.shutdown_signal)
 
     def escalate(self, target: int, root: FailureInfo) -> None:
         """An in-process round did not finish in time: process-level restart of this node (budget allowing)."""

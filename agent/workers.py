@@ -20,8 +20,8 @@ from hyperpodrun.agent.standby import StandbyPool
 from hyperpodrun.agent.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.tee import Tee, worker_pipe
 from hyperpodrun.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
-from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_key, inprocess_env_overrides,
-                             keep_on_loopback, worker_env)
+from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_hook, hand_down_key,
+                             inprocess_env_overrides, keep_on_loopback, worker_env)
 from hyperpodrun.runtime import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -124,6 +124,7 @@ class WorkerLauncher:
             for name in keep_on_loopback(env):
                 log.debug("%s=%s for each worker (one node: loopback only; set it yourself to choose)", name,
                           env[name])
+        hand_down_hook(env)     # the roll call in every worker's init_process_group (runtime/group_hook.py)
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
         if self.cfg.inprocess_restart:
             for name in inprocess_env_overrides(env):

@@ -236,6 +236,8 @@ def main() -> None:
     del sys.path[0]   # this file's directory (the agent's modules) must not shadow what the imports look for
     sock = socket.socket(fileno=int(sys.argv[1]))
     t0 = time.monotonic()
+    from hyperpodrun.runtime import group_hook   # the roll call in the forks' init_process_group, as in a cold
+    group_hook.install()                         # worker (its sitecustomize ran in this process, not in them)
     failed = prewarm(sys.argv[2])
     if gpu_driver_opened():
         sock.send(json.dumps({"ready": False, "why": "an import opened the GPU driver; forks could not use "

@@ -25,6 +25,8 @@ HYPERPODRUN_HEARTBEAT_INTERVAL = "HYPERPODRUN_HEARTBEAT_INTERVAL"
 HYPERPODRUN_AGENT_PID = "HYPERPODRUN_AGENT_PID"
 HYPERPODRUN_ROOTLESS = "HYPERPODRUN_ROOTLESS"          # "1" when the agent hosts the workers' stores
 HYPERPODRUN_JOB_KEY = "HYPERPODRUN_JOB_KEY"            # hex of the workers' key, derived from the job secret
+#: the folder with the workers' sitecustomize (the roll call in torch's init_process_group), first on PYTHONPATH
+BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 
 # the product note's Tier-1 switches (stock PyTorch knows neither; see README "Rootless bootstrap")
 HPCT_USE_ROOTLESS = "HPCT_USE_ROOTLESS"
@@ -132,6 +134,17 @@ def hand_down_key(env: dict[str, str], secret: bytes) -> None:
     from hyperpodrun import auth
     env.pop(auth.SECRET_ENV, None)
     env[HYPERPODRUN_JOB_KEY] = auth.derive(secret, "worker").hex()
+
+
+def hand_down_hook(env: dict[str, str]) -> None:
+    """Put BOOT_DIR first on the workers' PYTHONPATH, so that every worker - a plain script, Lightning, Hugging
+    Face - holds the roll call when it forms its default process group (hyperpodrun/runtime/group_hook.py);
+    the user's PYTHONPATH and sitecustomize still apply. Not with HYPERPODRUN_ROLL_CALL=0."""
+    from hyperpodrun import settings
+    if not settings.read("roll_call", env):
+        return
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *parts])
 
 
 def inprocess_env_overrides(base: Mapping[str, str]) -> list[str]:

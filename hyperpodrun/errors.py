@@ -36,6 +36,9 @@ EXIT_RESTARTS_EXHAUSTED = 78
 EXIT_NODE_NOT_REPLACED = 79
 #: this agent was declared lost (silent past --node-timeout) and its node rank given to another agent
 EXIT_FENCED = 80
+#: a process outside the job took a rank's place in a worker group, again after one retry on a fresh store
+#: (runtime/roll_call.py); a worker that finds one exits with it too (not counted as a failure of the script)
+EXIT_INTRUDER = 81
 
 
 class HyperpodrunError(Exception):
@@ -70,6 +73,19 @@ class ProtocolError(HyperpodrunError, ValueError):
 
 class AuthError(HyperpodrunError):
     """A peer did not prove it knows the job's key, or a signed value does not verify (hyperpodrun/auth.py)."""
+
+
+class RollCallError(AuthError):
+    """A member of a new process group did not prove it knows the workers' key (runtime/roll_call.py): a
+    process outside the job took a rank's place. The generation fails, the agent retries it on a fresh store
+    (not counted against --max-restarts or --max-step-failures) and ends the job with EXIT_INTRUDER when it
+    happens again."""
+
+    exit_code = EXIT_INTRUDER
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), uids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks, self.uids = ranks, uids
 
 
 class UnsafePathError(HyperpodrunError):
@@ -192,7 +208,7 @@ USAGE_ERRORS: tuple[type[HyperpodrunError], ...] = (ConfigError, ApiValueError, 
 
 __all__ = ["USAGE_ERRORS", 
     "EXIT_OK", "EXIT_USAGE", "EXIT_AGENT_ERROR", "EXIT_STATE_LOST", "EXIT_NO_USABLE_GPU", "EXIT_STEP_KEEPS_FAILING",
-    "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED",
+    "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED", "EXIT_INTRUDER", "RollCallError",
     "HyperpodrunError", "ConfigError", "RendezvousError", "WorkerSpawnError", "ProtocolError", "AuthError",
     "UnsafePathError", "ApiValueError", "ApiTypeError", "MissingDependencyError", "SetupOrderError",
     "RankEnvironmentTimeout",

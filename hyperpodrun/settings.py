@@ -55,6 +55,9 @@ class Settings(BaseModel):
     #: HYPERPODRUN_GC_FREEZE: freeze what exists when HPWrapper first calls the function out of the cyclic
     #: garbage collector's view, so a collection on the restart path scans only what training made since
     gc_freeze: bool = True
+    #: HYPERPODRUN_ROLL_CALL: every new default process group proves that each member knows the workers' key
+    #: before any user collective (runtime/roll_call.py); 0 turns it off
+    roll_call: bool = True
     #: HYPERPODRUN_NCCL_ABORT_BACKGROUND: a restart's NCCL communicator aborts run in a thread of their own
     #: while the rank goes on to the next generation (runtime/abort.py); 0: in the restarting thread
     nccl_abort_background: bool = True
@@ -146,6 +149,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any], bool]] = {
     "warm_respawn": ("WARM_RESPAWN", _bool, False),
     "warm_imports": ("WARM_IMPORTS", _modules, True),   # "" is valid: import nothing ahead
     "gc_freeze": ("GC_FREEZE", _bool, False),
+    "roll_call": ("ROLL_CALL", _bool, False),
     "nccl_abort_background": ("NCCL_ABORT_BACKGROUND", _bool, False),
     "standby_kernel_warm": ("STANDBY_KERNEL_WARM", _bool, False),
     "symptom_grace_s": ("SYMPTOM_GRACE_S", _grace, False),

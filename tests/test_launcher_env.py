@@ -27,6 +27,7 @@ DOCUMENTED_OURS = {
     "PYTHONUNBUFFERED": "'1' unless the user set it, so worker lines reach the per-rank files at once",
     "GLOO_SOCKET_IFNAME": "'lo' on one node unless the user set it: gloo listens on loopback only",
     "NCCL_SOCKET_IFNAME": "'lo' on one node unless the user set it: NCCL's bootstrap sockets on loopback only",
+    "PYTHONPATH": "hyperpodrun's boot folder first (the roll call in init_process_group), then the user's",
 }
 
 # torchrun variables whose values legitimately differ between two launches: ports, paths and run ids

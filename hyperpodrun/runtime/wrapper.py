@@ -31,6 +31,7 @@ from hyperpodrun.errors import (EXIT_USAGE, EXIT_WORKER_UNHEALTHY, USAGE_ERRORS,
 from hyperpodrun.usage_exit import one_line
 from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, CheckpointlessFinalizeCleanup,
                                        mark_generation_start, release_parked)
+from hyperpodrun.runtime import group_hook
 from hyperpodrun.runtime.health import CudaHealthCheck
 from hyperpodrun.runtime.interrupt import RestartInterrupt
 from hyperpodrun.runtime.session import Session
@@ -186,6 +187,7 @@ class HPWrapper:
 
     # ------------------------------------------------------------------------------------------------
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        group_hook.install()   # the roll call in every generation's init_process_group (started by any means)
         _preload_torch_modules()
         _warn_existing_group()
         sess = Session.get()
