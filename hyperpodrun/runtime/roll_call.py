@@ -141,27 +141,27 @@ def _device(dist: Any, group: Any) -> Any:
 
 
 def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> bytes:
-    """All members' proofs over `group`, in rank order (a fixed-size all-gather of raw bytes). On the CPU the
-    tensors are views of Python byte buffers: nothing is copied on either side of the collective."""
+    """All members' proofs over `group`, in rank order (a fixed-size all-gather of raw bytes).
+
+    The tensors own their memory (not views of Python buffers through `torch.frombuffer`): the collective's
+    work object may be let go by gloo's thread, and a tensor whose storage is a Python object then needs the
+    interpreter lock to be freed - at interpreter exit that aborted a worker ("terminate called without an
+    active exception"). The proofs are a few dozen bytes: the copies cost nothing."""
     import torch
     import torch.distributed as dist
     device = _device(dist, group)
-    result = bytearray(world * PROOF_BYTES)
-    host_out = torch.frombuffer(result, dtype=torch.uint8)
-    send = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    on_cpu = device.type == "cpu"
-    out = host_out if on_cpu else torch.empty(world * PROOF_BYTES, dtype=torch.uint8, device=device)
-    if not on_cpu:
-        send = send.to(device)
+    send = torch.tensor(list(mine), dtype=torch.uint8, device=device)
+    out = torch.empty(world * PROOF_BYTES, dtype=torch.uint8, device=device)
     op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
     work = op(out, send, group=group, async_op=True)
-    if timeout_s is not None and on_cpu:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    else:
-        work.wait()
-    if not on_cpu:
-        host_out.copy_(out)    # synchronous: waits for the collective on the device
-    return bytes(result)
+    try:
+        if timeout_s is not None and device.type == "cpu":
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        else:
+            work.wait()
+        return bytes(out.cpu().tolist())    # synchronous on a device: waits for the collective
+    finally:
+        del work
 
 
 def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
