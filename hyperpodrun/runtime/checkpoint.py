@@ -148,6 +148,7 @@ class CheckpointManager:
         self._budget = OverheadBudget(max_overhead)
         self._on_gpu: Optional[bool] = None           # whether the state has CUDA tensors (first save)
         self._since_snapshot = 0                      # save() calls since the last snapshot began
+        self._since_sealed = 0                        # save() calls since the last snapshot was sealed
         self._waited = 0.0                            # host seconds the optimizer step waited for the copy
         #: slot path -> (step, the file's identity and times once sealed), for slots this process sealed
         self._sealed: dict[str, tuple[int, Optional[tuple]]] = {}
@@ -278,7 +279,7 @@ class CheckpointManager:
     @property
     def retrain_bound(self) -> int:
         """The most steps a SIGKILL of a rank whose state has no live replica retrains, as measured so far: the
-        snapshot interval plus the save() calls a snapshot was seen in flight."""
+        snapshot interval plus twice the save() calls a snapshot was seen in flight (see snapshot_budget)."""
         return self._budget.retrain_bound if self._budgeted else 1
 
     @property
@@ -310,7 +311,11 @@ class CheckpointManager:
             if self._on_gpu:
                 self._install_step_barrier()
         busy = self._writer.busy()
-        if not force and self._budgeted and (busy or self._since_snapshot + 1 < self._budget.interval):
+        # the interval counts from the previous snapshot's seal, not its start: `interval` steps with no snapshot
+        # in flight follow each one, so its cost never takes every step and the step without one stays measured
+        # (counted from the start, a snapshot in flight for longer than the interval kept every step busy)
+        self._since_sealed += 1
+        if not force and self._budgeted and (busy or self._since_sealed < self._budget.interval):
             self._since_snapshot += 1                # coalesced (in flight) or not due: certified only
             self._budget.certified(time.perf_counter() - began)
             self._budget.call_ended(busy)
@@ -386,6 +391,7 @@ class CheckpointManager:
 
         def sealed() -> None:
             self._inflight = None
+            self._since_sealed = 0
             io.seal(view, staged)
             self.last_saved = step
             self._sealed[path] = (step, _file_key(path))
@@ -749,7 +755,7 @@ class CheckpointManager:
         if self._budget.seed(payload.get("cadence")):
             # the restored step is in a slot already: the next snapshot is due after the predecessor's interval,
             # not at this process's first save() (which would map a slot inside the first step after recovery)
-            self._since_snapshot = 0
+            self._since_snapshot = self._since_sealed = 0
 
     def _load_live(self, payload: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         """Put back what a save kept outside the tensors (hyper-parameters, values, RNG). The tensors hold the

@@ -44,7 +44,8 @@ class _Helpers:
     runs - milliseconds of the training thread's time per save, while the GPU idles. The threads are daemons
     (an abandoned job never keeps the process alive) and are made again in a forked child, which has none."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: bool = False) -> None:
+        self.idle = idle
         self._lock = threading.Lock()
         self._jobs: "queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]" = queue.SimpleQueue()
         self._idle = 0
@@ -65,6 +66,8 @@ class _Helpers:
             jobs.put((job, done))
 
     def _loop(self, jobs: "queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]") -> None:
+        if self.idle:
+            _lowest_priority()
         while True:
             job, done = jobs.get()
             try:
@@ -86,8 +89,26 @@ class _Helpers:
         self._jobs, self._idle, self._count = queue.SimpleQueue(), 0, 0
 
 
-_HELPERS = _Helpers()
+def _lowest_priority() -> None:
+    """Make the calling thread run only on CPU time nothing else wants (Linux SCHED_IDLE; else nice 19).
+
+    Why: a snapshot's checksum is summed while training goes on. At normal priority 15 summing threads on a
+    16-core host take the cores the training thread needs to launch its kernels (the step after a snapshot was
+    ~25 ms slower on an H200 host); at idle priority they use what is left, and the writer thread, which helps
+    at normal priority when it seals the slot, guarantees progress."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: this thread (a task of its own)
+    except (AttributeError, OSError):
+        try:
+            os.nice(19)
+        except OSError:
+            pass
+
+
+_HELPERS = _Helpers()                   # verifying a slot (a restore waits for it): normal priority
+_BACKGROUND = _Helpers(idle=True)       # summing a slot while training goes on: idle priority
 os.register_at_fork(after_in_child=_HELPERS.forked)
+os.register_at_fork(after_in_child=_BACKGROUND.forked)
 
 
 class ChunkSums:
@@ -96,8 +117,11 @@ class ChunkSums:
     helps with) the rest, `cancel()` stops the helpers (the slot is abandoned)."""
 
     def __init__(self, view: memoryview, start: int, length: int, chunk: int = CHUNK,
-                 threads: Optional[int] = None) -> None:
+                 threads: Optional[int] = None, background: bool = False) -> None:
+        """`background`: summed beside the training (a snapshot being taken) - the helpers run at idle CPU
+        priority (see _lowest_priority); else (a restore waits for it) at normal priority."""
         self.view, self.base, self.length, self.chunk = view, start, length, chunk
+        self._pool = _BACKGROUND if background else _HELPERS
         self.n = (length + chunk - 1) // chunk
         self.crcs = [0] * self.n
         self._filled = 0
@@ -115,7 +139,7 @@ class ChunkSums:
         if not self._started:
             self._started = True
             if self._helpers:
-                _HELPERS.run(self._work, self._helpers, self._helper_done)
+                self._pool.run(self._work, self._helpers, self._helper_done)
         return self
 
     def advance(self, end: int) -> None:

@@ -8,7 +8,11 @@ step costs 10-100 % of the step. Every save() call still certifies the live stat
 death (SIGKILL, a lost GPU) is taken only every `interval` calls, with `interval` the smallest that keeps the
 measured cost within `max_overhead` of the measured step:
 
-    interval = ceil((snapshot cost - call cost) / (max_overhead * step - call cost))
+    interval = max(1, ceil((snapshot cost - call cost) / (max_overhead * step - call cost) - steps in flight))
+
+counted from the previous snapshot's seal (CheckpointManager): a cycle is the steps a snapshot is in flight
+plus `interval` steps without one, so the cost of one snapshot is spread over both, and the step without a
+snapshot in flight - the baseline every cost here is measured against - keeps being measured;
 
 snapshot cost: the host time of a save() that snapshots plus the time the next optimizer step waited for its
 copy, plus the device time of its staging copy, plus what the steps run while it is in flight lose to it (its
@@ -18,8 +22,9 @@ save() that only certifies; step: the time between save() calls without a snapsh
 the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one is due is
 not waited for: that call only certifies (coalesced).
 
-What it bounds: a SIGKILL of a rank that has no surviving replica retrains at most `interval` + the steps a
-snapshot is in flight (`retrain_bound`); with a live replica (DDP, HSDP's replicate dimension, optimizer
+What it bounds: a SIGKILL of a rank that has no surviving replica retrains at most `interval` + twice the steps
+a snapshot is in flight (`retrain_bound`: the sealed snapshot restored was taken that long before the seal,
+and the next one may be in flight when the kill comes); with a live replica (DDP, HSDP's replicate dimension, optimizer
 instances) the replacement gets the replica's live tensors and retrains nothing.
 """
 from __future__ import annotations
@@ -94,7 +99,8 @@ class OverheadBudget:
         if room <= 0:
             self.interval = MAX_INTERVAL
         else:
-            self.interval = max(1, min(MAX_INTERVAL, math.ceil(extra / room)))
+            cycle = math.ceil(extra / room)         # steps to spread one snapshot's cost over
+            self.interval = max(1, min(MAX_INTERVAL, cycle - math.floor(self.mean_in_flight or 0.0)))
 
     #: the running means a snapshot carries (`export`) and a replacement process starts from (`seed`)
     CARRIED = ("step_s", "busy_step_s", "call_s", "snapshot_s", "mean_in_flight")
@@ -127,7 +133,7 @@ class OverheadBudget:
     @property
     def retrain_bound(self) -> int:
         """The most steps a SIGKILL without a surviving replica retrains, as measured so far."""
-        return self.interval + self.in_flight_steps
+        return self.interval + 2 * self.in_flight_steps
 
 
 def _mean(old: Optional[float], new: float) -> float:

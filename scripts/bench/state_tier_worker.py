@@ -132,45 +132,8 @@ def note(ev: str, **fields: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------ models
-class Block(nn.Module):
-    """A pre-LayerNorm decoder block: causal self-attention (scaled_dot_product_attention) and a GELU MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.out = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Token + position embedding, decoder blocks, final LayerNorm, a head tied to the token embedding."""
-
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, dim)
-        self.wpe = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_models import GPT, mlp  # noqa: E402
 
 
 def device() -> torch.device:
@@ -186,10 +149,7 @@ def build(dev: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     s = SIZES[(ARGS.model, ARGS.size)]
     with dev:
         if ARGS.model == "mlp":
-            layers: list[nn.Module] = []
-            for _ in range(s["layers"]):
-                layers += [nn.Linear(s["dim"], s["dim"]), nn.GELU()]
-            model: nn.Module = nn.Sequential(*layers)
+            model: nn.Module = mlp(s["dim"], s["layers"])
         else:
             model = GPT(s["vocab"], s["dim"], s["layers"], s["heads"], s["seq"])
     cuda = dev.type == "cuda"

@@ -49,3 +49,29 @@ def test_a_forked_child_sums_with_helpers_of_its_own():
             raise AssertionError("the forked child never finished its checksum (it waited for absent helpers)")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_snapshot_is_summed_at_idle_priority_and_a_restore_check_at_normal():
+    """Summing a snapshot beside the training must leave the CPUs to it (idle scheduling class: the helpers take
+    only time nothing else wants); a restore waits for its check, so that one runs at normal priority."""
+    import threading
+
+    def policies(pool: "slot_checksum._Helpers", background: bool) -> set[int]:
+        seen: set[int] = set()
+        lock = threading.Lock()
+        data = memoryview(os.urandom(64 * 4096))
+
+        class Spy(ChunkSums):
+            def _work(self) -> None:
+                if threading.current_thread() is not threading.main_thread():
+                    with lock:
+                        seen.add(os.sched_getscheduler(0))
+                super()._work()
+        sums = Spy(data, 0, len(data), chunk=4096, threads=4, background=background).start()
+        sums.advance(len(data))
+        assert sums.result() == [zlib.crc32(data[i:i + 4096]) for i in range(0, len(data), 4096)]
+        return seen
+
+    assert policies(slot_checksum._BACKGROUND, True) == {os.SCHED_IDLE}
+    assert policies(slot_checksum._HELPERS, False) == {os.SCHED_OTHER}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER   # the caller (the writer thread, here the test) is untouched

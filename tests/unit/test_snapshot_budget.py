@@ -30,17 +30,17 @@ def test_steps_slowed_by_a_snapshot_in_flight_count_against_it() -> None:
     b.step_s, b.busy_step_s, b.call_s = 0.100, 0.105, 0.0
     b.in_flight(2)
     b.snapshot_cost(0.002)
-    assert b.interval == 6                       # (2 + 2 * 5) ms / 2 ms
+    assert b.interval == 4                       # (2 + 2 * 5) ms / 2 ms = 6 steps a cycle, 2 of them in flight
     b.busy_step_s = 0.100
     b.snapshot_cost(0.002)
-    assert b.interval < 6
+    assert b.interval < 4
 
 
 def test_the_bound_on_retrained_steps_counts_snapshots_in_flight() -> None:
     b = _budget(0.1, 0.0, 0.006)
     b.in_flight(2)
     b.in_flight(1)
-    assert (b.interval, b.retrain_bound) == (3, 5)
+    assert (b.interval, b.retrain_bound) == (3, 7)     # the restored one and the next may each be in flight 2
 
 
 def test_mapping_a_slot_is_not_counted_as_a_snapshots_cost(tmp_path, monkeypatch) -> None:
@@ -151,3 +151,42 @@ def test_a_replacement_keeps_its_predecessors_cadence_instead_of_snapshotting_it
         sealed.append(again.last_saved)
     assert sealed == [4, 4, 7, 7], sealed
     again.close()
+
+
+def test_the_interval_counts_from_the_seal_so_steps_without_a_snapshot_in_flight_follow_each(
+        tmp_path, monkeypatch) -> None:
+    """A snapshot in flight for longer than the interval must not make the next one due the moment it is sealed
+    (then every step would run beside a copy, and the step without one - what every cost is measured against -
+    would never be measured again): after the seal come `interval` calls that only certify."""
+    import threading
+
+    from hyperpodrun import CheckpointManager
+    from hyperpodrun.runtime import checkpoint
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(OverheadBudget, "_update", lambda self: setattr(self, "interval", 2))
+    gate = threading.Event()
+    real = checkpoint.copying.finish_copies
+
+    def slow(*a, **kw):                      # the first snapshot's copy lasts until the gate opens
+        assert gate.wait(30)
+        return real(*a, **kw)
+    monkeypatch.setattr(checkpoint.copying, "finish_copies", slow)
+    model = torch.nn.Linear(4, 4)
+    cm = CheckpointManager(shm_dir=str(tmp_path))
+    cm._on_gpu = True
+    cm._budget.interval = 2
+    cm.save(1, {"model": model})            # not due yet (interval 2)
+    cm.save(2, {"model": model})            # snapshotted, in flight until the gate opens
+    for step in (3, 4, 5):
+        cm.save(step, {"model": model})     # coalesced: certified only
+    assert cm.last_saved is None
+    gate.set()
+    cm.wait()
+    assert cm.last_saved == 2
+    cm.save(6, {"model": model})            # one call after the seal: not due yet
+    cm.wait()
+    assert cm.last_saved == 2
+    cm.save(7, {"model": model})
+    cm.wait()
+    assert cm.last_saved == 7
+    cm.close()
