@@ -158,7 +158,7 @@ def test_corrupt_snapshot_is_detected_and_never_used(tmp_path, monkeypatch):
     slot = next(p for p in (os.path.join(cm.slot_dir(), f"slot{i}") for i in (0, 1))
                 if snapshot_io.header(open(p, "rb").read(), p)[0] == 2)
     data = bytearray(open(slot, "rb").read())
-    data[-10] ^= 0xFF                             # flip one byte of the payload
+    data[snapshot_io.data_end(data, slot) - 10] ^= 0xFF   # flip one byte of the payload
     open(slot, "wb").write(bytes(data))
     # a new process (a replacement) knows nothing of these slots: it checks them, skips step 2, restores step 1
     fresh = torch.nn.Linear(4, 4)

@@ -53,7 +53,7 @@ from hyperpodrun.runtime.slot_verify import VerifyAlongside
 from hyperpodrun.runtime.pinned_read import DeviceReadable
 from hyperpodrun.runtime.restore_plan import Inventory, find_snapshots, gather, map_private, plan_restore
 from hyperpodrun.runtime.live_state import LiveState
-from hyperpodrun.runtime.snapshot_budget import OverheadBudget
+from hyperpodrun.runtime.snapshot_budget import MAX_INTERVAL, OverheadBudget
 from hyperpodrun.runtime.state_dicts import (device_of, fix_optimizer_dtensors, like, load_state_dict_into, local_ptr,
                                              rng_state, saved_where, set_rng_state, state_dict_of, tensors_in)
 from hyperpodrun.safe_fs import private_dir
@@ -148,8 +148,9 @@ class CheckpointManager:
         self._budget = OverheadBudget(max_overhead)
         self._on_gpu: Optional[bool] = None           # whether the state has CUDA tensors (first save)
         self._since_snapshot = 0                      # save() calls since the last snapshot began
-        self._since_sealed = 0                        # save() calls since the last snapshot was sealed
-        self._waited = 0.0                            # host seconds the optimizer step waited for the copy
+        # save() calls since the last snapshot was sealed (none yet: the first call is due - until a snapshot is
+        # sealed, a SIGKILL sends the rank back to step 0)
+        self._since_sealed = MAX_INTERVAL
         #: slot path -> (step, the file's identity and times once sealed), for slots this process sealed
         self._sealed: dict[str, tuple[int, Optional[tuple]]] = {}
         self._slot_steps: dict[str, int] = {}         # slot path -> the step it holds, as far as known
@@ -304,6 +305,8 @@ class CheckpointManager:
                 payload["state"][name] = ("sd", state_dict_of(obj))
             else:
                 payload["state"][name] = ("value", obj)
+        previous = self._live
+        certify_s = previous.print.device_seconds() if previous is not None and self._on_gpu else None
         if self.reuse_live:
             # certified at every call: values fingerprinted behind the training, on the device
             self._live = LiveState(step, payload, self._streams if self._on_gpu else None)
@@ -317,14 +320,15 @@ class CheckpointManager:
         self._since_sealed += 1
         if not force and self._budgeted and (busy or self._since_sealed < self._budget.interval):
             self._since_snapshot += 1                # coalesced (in flight) or not due: certified only
-            self._budget.certified(time.perf_counter() - began)
+            self._budget.certified(time.perf_counter() - began, certify_s)
             self._budget.call_ended(busy)
             return
+        self._budget.certified(None, certify_s)
         self._since_snapshot = 0
-        self._snapshot(step, state, payload, began)
+        self._snapshot(step, state, payload)
         self._budget.call_ended(self._writer.busy())
 
-    def _snapshot(self, step: int, state: Mapping[str, Any], payload: dict, began: float) -> None:
+    def _snapshot(self, step: int, state: Mapping[str, Any], payload: dict) -> None:
         """Copy `payload` into a slot (see save)."""
         import torch
         self._writer.wait()                         # one snapshot in flight at a time
@@ -359,6 +363,8 @@ class CheckpointManager:
         # mapping and registering a slot (0.3-0.6 s for 6.4 GB) is once per slot and process, not a snapshot's
         # cost: left out of what the budget counts (else the interval starts at its cap)
         setup_s = time.perf_counter() - t_prepare if slot.mapped_now else 0.0
+        if self._budgeted:
+            self._budget.snapshot_began(counted=not setup_s)
         copying.copy_now(view, staged, self._streams, self._staging if offload else None)
 
         session = self._session
@@ -386,8 +392,6 @@ class CheckpointManager:
         if offload and self.enable_offload is False and staging_used:
             for event in staged.staged_events.values():   # enable_offload=False: return once captured
                 event.synchronize()
-        host_s = time.perf_counter() - began - setup_s
-        self._waited = 0.0
 
         def sealed() -> None:
             self._inflight = None
@@ -399,7 +403,6 @@ class CheckpointManager:
             if staging_used:
                 self._staged_step = step
             if self._budgeted:
-                self._budget.snapshot_cost(host_s + self._waited + copying.staging_seconds(staged))
                 self._budget.in_flight(self._since_snapshot)
                 self._report_interval()
             if self._peers is not None:
@@ -452,14 +455,11 @@ class CheckpointManager:
             for device in list(live.print.events):
                 live.wait_on(device)
         inflight = self._inflight
-        began = time.perf_counter()
         if self._staging is None or inflight is None or not inflight[0].staged_events:
             self._writer.wait_copied()
-            self._waited += time.perf_counter() - began
             return
         staged = inflight[0]
         staged.host_copied.wait()
-        self._waited += time.perf_counter() - began
         for device, event in list(staged.staged_events.items()):
             torch.cuda.current_stream(device).wait_event(event)
 

@@ -50,6 +50,7 @@ class Fingerprint:
         self.layout: Optional[list[tuple]] = None
         self.events: dict[Any, Any] = {}        # device -> event recorded after its fingerprint kernels
         self.source_events: dict[Any, Any] = {}  # device -> event the fingerprint kernels waited for
+        self._started: dict[Any, Any] = {}      # device -> timing event recorded before its fingerprint kernels
         groups: dict[tuple, list[Any]] = {}
         for t in tensors:                       # per tensor: the training thread pays this at every save()
             local = t.to_local() if hasattr(t, "placements") else t
@@ -68,8 +69,11 @@ class Fingerprint:
                 self.source_events[device] = source
                 stream.wait_event(source)
                 with torch.cuda.stream(stream):
+                    if device not in self._started:
+                        self._started[device] = torch.cuda.Event(enable_timing=True)
+                        self._started[device].record(stream)
                     self.values.append(_group_print(ts, dtype))
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=True)
                     event.record(stream)
                     self.events[device] = event
             else:
@@ -86,6 +90,21 @@ class Fingerprint:
         event = self.events.get(device)
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
+
+    def device_seconds(self) -> Optional[float]:
+        """The device time the fingerprint kernels took (the longest device's), once they are done; None while
+        they run or without device tensors. What certifying a save() costs a GPU-bound step (its host time
+        hides behind the device's work)."""
+        longest: Optional[float] = None
+        try:
+            for device, start in self._started.items():
+                end = self.events[device]
+                if not end.query():
+                    return None
+                longest = max(longest or 0.0, start.elapsed_time(end) / 1e3)
+        except Exception:      # a broken context, a stream that never ran: nothing to learn from it
+            return None
+        return longest
 
     def final(self) -> bool:
         """Whether everything the fingerprint read had been computed when it was asked (see data_final in

@@ -1,36 +1,42 @@
 """How often a GPU state is snapshotted when save() is called after every step: an overhead budget.
 
 Why: the product note, the README and the Lightning and Hugging Face callbacks call `save()` after every
-optimizer step. Copying a 6.4 GB state takes the host ~5-7 ms of Python and launches and the device a
-staging copy, and its device->host copy (PCIe, ~55 GB/s) takes longer than a 0.09 s step: a snapshot every
-step costs 10-100 % of the step. Every save() call still certifies the live state (a fingerprint: live_state.py)
-- an exception, a hang or a peer's death retrains nothing - but the copy that survives the process's own
-death (SIGKILL, a lost GPU) is taken only every `interval` calls, with `interval` the smallest that keeps the
-measured cost within `max_overhead` of the measured step:
+optimizer step. Copying a 6.4 GB state to the host takes longer than a 0.09 s step (PCIe, ~55 GB/s), and a
+snapshot every step would cost 10-100 % of the step. Every save() call still certifies the live state (a
+fingerprint: live_state.py) - an exception, a hang or a peer's death retrains nothing - but the copy that
+survives the process's own death (SIGKILL, a lost GPU) is taken only every `interval` calls, with `interval`
+the smallest that keeps the measured cost within `max_overhead` of the step:
 
-    interval = max(1, ceil((snapshot cost - call cost) / (max_overhead * step - call cost) - steps in flight))
+    cycle    = ceil(snapshot cost / (max_overhead * step - certify cost))
+    interval = max(2, cycle - steps a snapshot is in flight)         (at most MAX_INTERVAL)
 
-counted from the previous snapshot's seal (CheckpointManager): a cycle is the steps a snapshot is in flight
-plus `interval` steps without one, so the cost of one snapshot is spread over both, and the step without a
-snapshot in flight - the baseline every cost here is measured against - keeps being measured;
+Counted from the previous snapshot's seal (CheckpointManager): a cycle is the steps a snapshot is in flight plus
+the steps after it without one, so a snapshot's cost is spread over both, and the step without a snapshot in
+flight - the baseline of every cost here - keeps being measured (at least one such step a cycle).
 
-snapshot cost: the host time of a save() that snapshots plus the time the next optimizer step waited for its
-copy, plus the device time of its staging copy, plus what the steps run while it is in flight lose to it (its
-device->host copy and checksum share the host's and the device's bandwidth with the training: the steps with
-a snapshot in flight against those without, times the steps it is in flight); call cost: the host time of a
-save() that only certifies; step: the time between save() calls without a snapshot in flight. All are running means of what this process measured, so the interval follows
-the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one is due is
-not waited for: that call only certifies (coalesced).
+What is measured, end to end rather than piece by piece (the pieces - host time, waits, the copy engine, the
+checksum threads, the memory bandwidth they share - interact, and a model of them hid a 3x cost once):
+- step: the time between save() calls with no snapshot in flight - the median of the last 16 (a pause for an
+  evaluation, a data stall, an outlier, does not move it);
+- snapshot cost: what the steps from a snapshot's save() call to its seal took beyond that many steps without
+  one - the median over the last 8 snapshots; a snapshot that first mapped a slot (a one-time cost per slot
+  and process) is not counted;
+- certify cost: the device time of the fingerprint every save() computes (its host time hides behind the
+  device's work in a GPU-bound step; its device time does not).
+All follow the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one
+is due is not waited for: that call only certifies (coalesced).
 
 What it bounds: a SIGKILL of a rank that has no surviving replica retrains at most `interval` + twice the steps
-a snapshot is in flight (`retrain_bound`: the sealed snapshot restored was taken that long before the seal,
-and the next one may be in flight when the kill comes); with a live replica (DDP, HSDP's replicate dimension, optimizer
-instances) the replacement gets the replica's live tensors and retrains nothing.
+a snapshot is in flight (`retrain_bound`: the sealed snapshot restored was taken that long before its seal,
+and the next one may be in flight when the kill comes); with a live replica (DDP, HSDP's replicate dimension,
+optimizer instances) the replacement gets the replica's live tensors and retrains nothing.
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from typing import Any, Optional
 
 #: the interval never grows past this many steps, whatever the measured costs say
@@ -39,28 +45,42 @@ _ALPHA = 0.3   # weight of a new measurement in the running means
 
 
 class OverheadBudget:
-    """Running means of what snapshots cost and the interval they imply (see the module doc)."""
+    """What snapshots cost and the interval it implies (see the module doc)."""
 
     def __init__(self, max_overhead: Optional[float]) -> None:
         self.max_overhead = max_overhead
-        self.step_s: Optional[float] = None       # time between save() calls, no snapshot in flight
-        self.busy_step_s: Optional[float] = None  # the same with a snapshot in flight
-        self.call_s: Optional[float] = None       # host time of a save() that only certifies
-        self.snapshot_s: Optional[float] = None   # host + waited + staging time of a snapshot
-        self.in_flight_steps = 0                  # the most save() calls a snapshot was seen in flight
+        self._clean: deque[float] = deque(maxlen=16)    # steps with no snapshot in flight
+        self._costs: deque[float] = deque(maxlen=8)     # each snapshot's cost beyond that many clean steps
+        self.certify_s: Optional[float] = None          # device time of a save()'s fingerprint (running mean)
+        self.call_s: Optional[float] = None             # host time of a save() that only certifies (reported)
+        self.in_flight_steps = 0                        # the most save() calls a snapshot was seen in flight
         self.mean_in_flight: Optional[float] = None
         self.interval = 1
         self._last_call: Optional[float] = None
         self._busy = False
+        self._open: Optional[list] = None               # the snapshot being costed: [excess so far, counted]
+
+    @property
+    def step_s(self) -> Optional[float]:
+        """The step with no snapshot in flight (median of the last ones measured)."""
+        return statistics.median(self._clean) if self._clean else None
+
+    @property
+    def snapshot_s(self) -> Optional[float]:
+        """What one snapshot costs the training (median of the last ones measured)."""
+        return statistics.median(self._costs) if self._costs else None
 
     def call_started(self) -> float:
         """A save() call begins: the time since the previous one is a step (restarts reset it)."""
         now = time.perf_counter()
         if self._last_call is not None:
+            took = now - self._last_call
             if self._busy:
-                self.busy_step_s = _mean(self.busy_step_s, now - self._last_call)
+                if self._open is not None and self.step_s is not None:
+                    self._open[0] += took - self.step_s
             else:
-                self.step_s = _mean(self.step_s, now - self._last_call)
+                self._close()
+                self._clean.append(took)
         self._last_call = now
         return now
 
@@ -68,18 +88,33 @@ class OverheadBudget:
         """A save() call returns, with a snapshot in flight or not: the step that follows runs beside it."""
         self._busy = in_flight
 
+    def snapshot_began(self, counted: bool = True) -> None:
+        """This save() call takes a snapshot: the steps until one runs without it are its cost. `counted`
+        False: it mapped a slot (a one-time cost, not what a snapshot costs)."""
+        self._close()
+        self._open = [0.0, counted]
+
+    def _close(self) -> None:
+        if self._open is not None:
+            excess, counted = self._open
+            self._open = None
+            if counted and self.step_s is not None:
+                self._costs.append(max(0.0, excess))
+            self._update()
+
     def restarted(self) -> None:
-        """The wrapped function runs again: the time until the next save() is no step."""
+        """The wrapped function runs again: the time until the next save() is no step, and the snapshot being
+        costed is not (its steps were cut short)."""
         self._last_call = None
+        self._open = None
 
-    def certified(self, host_s: float) -> None:
-        self.call_s = _mean(self.call_s, host_s)
-
-    def snapshot_cost(self, seconds: float) -> None:
-        """What one snapshot cost the step: its save()'s host time, the optimizer step's wait for its copy,
-        its staging copy on the device."""
-        self.snapshot_s = _mean(self.snapshot_s, seconds)
-        self._update()
+    def certified(self, host_s: Optional[float], device_s: Optional[float] = None) -> None:
+        """A save() call that only certified took `host_s` of the host (None: it also snapshots); the previous
+        call's fingerprint took `device_s` of the device (None: not known)."""
+        if host_s is not None:
+            self.call_s = _mean(self.call_s, host_s)
+        if device_s is not None:
+            self.certify_s = _mean(self.certify_s, device_s)
 
     def in_flight(self, calls: int) -> None:
         """A snapshot was sealed `calls` save() calls after its own."""
@@ -87,23 +122,18 @@ class OverheadBudget:
         self.mean_in_flight = _mean(self.mean_in_flight, float(max(1, calls)))
 
     def _update(self) -> None:
-        step = self.step_s if self.step_s is not None else self.busy_step_s
-        if self.max_overhead is None or step is None or self.snapshot_s is None:
+        step, cost = self.step_s, self.snapshot_s
+        if self.max_overhead is None or step is None or cost is None:
             return
-        base = self.call_s or 0.0
-        room = self.max_overhead * step - base
-        beside = 0.0     # what the steps beside a snapshot in flight lose to it, once both kinds were measured
-        if self.step_s is not None and self.busy_step_s is not None:
-            beside = max(0.0, self.busy_step_s - self.step_s) * (self.mean_in_flight or 1.0)
-        extra = max(0.0, self.snapshot_s + beside - base)
+        room = self.max_overhead * step - (self.certify_s or 0.0)
         if room <= 0:
             self.interval = MAX_INTERVAL
-        else:
-            cycle = math.ceil(extra / room)         # steps to spread one snapshot's cost over
-            self.interval = max(1, min(MAX_INTERVAL, cycle - math.floor(self.mean_in_flight or 0.0)))
+            return
+        cycle = math.ceil(cost / room)                  # steps to spread one snapshot's cost over
+        self.interval = max(2, min(MAX_INTERVAL, cycle - math.floor(self.mean_in_flight or 0.0)))
 
-    #: the running means a snapshot carries (`export`) and a replacement process starts from (`seed`)
-    CARRIED = ("step_s", "busy_step_s", "call_s", "snapshot_s", "mean_in_flight")
+    #: what a snapshot carries (`export`) and a replacement process starts from (`seed`)
+    CARRIED = ("step_s", "snapshot_s", "certify_s", "mean_in_flight")
 
     def export(self) -> dict[str, float]:
         """What this process measured, to be written into a snapshot: a process that restores from it starts
@@ -117,18 +147,22 @@ class OverheadBudget:
         first step after the restore, the step a recovery is timed to. Values that are not finite
         non-negative numbers are ignored (the snapshot's bytes are checked, not trusted for sense).
         Returns whether anything was taken."""
-        if self.snapshot_s is not None or not isinstance(measured, dict):
+        if self._costs or not isinstance(measured, dict):
             return False
-        taken = False
-        for key in self.CARRIED:
-            value = measured.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                    and 0 <= value < 1e6 and getattr(self, key) is None:
-                setattr(self, key, float(value))
-                taken = True
-        if taken:
-            self._update()
-        return taken
+        sane = {k: float(v) for k in self.CARRIED if isinstance(v := measured.get(k), (int, float))
+                and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e6}
+        if not sane:
+            return False
+        if "step_s" in sane and not self._clean:
+            self._clean.append(sane["step_s"])
+        if "snapshot_s" in sane:
+            self._costs.append(sane["snapshot_s"])
+        if self.certify_s is None and "certify_s" in sane:
+            self.certify_s = sane["certify_s"]
+        if self.mean_in_flight is None and "mean_in_flight" in sane:
+            self.mean_in_flight = sane["mean_in_flight"]
+        self._update()
+        return True
 
     @property
     def retrain_bound(self) -> int:

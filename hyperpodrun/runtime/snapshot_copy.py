@@ -133,12 +133,9 @@ def copy_now(view: memoryview, staged: Staged, streams: SideStream, staging: Opt
             with torch.cuda.stream(stream):
                 if staging is not None:
                     bufs = [staging.buffer(n_staged + k, src) for k, src in enumerate(srcs)]
-                    start = torch.cuda.Event(enable_timing=True)
-                    start.record(stream)
                     torch._foreach_copy_(bufs, srcs, non_blocking=True)
-                    event = torch.cuda.Event(enable_timing=True)
+                    event = torch.cuda.Event()
                     event.record(stream)
-                    staged.staging_timing[device] = (start, event)
                     staged.staged_events[device] = event
                     staged.to_host += [(i, stream, buf, staged.tensors[i][1]) for i, buf in zip(indices, bufs)]
                     n_staged += len(indices)
@@ -246,18 +243,6 @@ def finish_copies(view: memoryview, staged: Staged, valid: Callable[[], bool] = 
     return ok
 
 
-def staging_seconds(staged: Staged) -> float:
-    """The device time the staging copies took (the longest device's; 0 without staging). Read once the
-    copies have completed (finish_copies waited for them)."""
-    longest = 0.0
-    for start, end in staged.staging_timing.values():
-        try:
-            longest = max(longest, start.elapsed_time(end) / 1e3)
-        except RuntimeError:   # not recorded with timing, or not complete
-            pass
-    return longest
-
-
 def data_final(staged: Staged) -> bool:
     """Whether everything the snapshot's copies read has been computed: host tensors always are; device
     tensors once the compute stream has passed the point where save() was called. A device that fails to
@@ -268,4 +253,4 @@ def data_final(staged: Staged) -> bool:
         return False
 
 
-__all__ = ["SideStream", "DeviceStaging", "free_bytes", "copy_now", "finish_copies", "data_final", "staging_seconds", "PIECE"]
+__all__ = ["SideStream", "DeviceStaging", "free_bytes", "copy_now", "finish_copies", "data_final", "PIECE"]

@@ -103,6 +103,8 @@ def make_cm(name: str, base: str) -> tuple[Optional[CheckpointManager], int]:
 
 def block(job: Job, name: str, cm: Optional[CheckpointManager], every: int, steps: int) -> dict:
     state = {"model": job.model, "opt": job.opt}
+    if cm is not None:
+        cm._budget.restarted()      # the time the other configurations ran is no step of this one
     normal = slot_checksum._BACKGROUND
     if name == "normalprio":
         slot_checksum._BACKGROUND = NORMAL_POOL
@@ -129,7 +131,7 @@ def block(job: Job, name: str, cm: Optional[CheckpointManager], every: int, step
     if cm is not None:
         b = cm._budget
         out.update(interval=cm.snapshot_interval, retrain_bound=cm.retrain_bound, last_saved=cm.last_saved,
-                   budget={k: getattr(b, k) for k in ("step_s", "busy_step_s", "call_s", "snapshot_s", "mean_in_flight",
+                   budget={k: getattr(b, k) for k in ("step_s", "snapshot_s", "certify_s", "call_s", "mean_in_flight",
                                                       "in_flight_steps")})
     return out
 

@@ -108,15 +108,16 @@ def _rot_newest_slot() -> None:
         path = os.path.join(cm.slot_dir(), name)
         try:
             with open(path, "rb") as fh:
-                step = snapshot_io.header(fh.read(), path)[0]
+                data = fh.read()
+            step, end = snapshot_io.header(data, path)[0], snapshot_io.data_end(data, path)
         except Exception:
             continue
         if newest is None or step > newest[0]:
-            newest = (step, path)
+            newest = (step, path, end)
     with open(newest[1], "r+b") as fh:
-        fh.seek(-10, os.SEEK_END)
+        fh.seek(newest[2] - 10)
         byte = fh.read(1)
-        fh.seek(-10, os.SEEK_END)
+        fh.seek(newest[2] - 10)
         fh.write(bytes([byte[0] ^ 0xFF]))
     with open(os.path.join(OUT_DIR, f"rotted.rank{os.environ['RANK']}"), "w") as fh:
         fh.write(str(newest[0]))
