@@ -21,8 +21,8 @@ checksum threads, the memory bandwidth they share - interact, and a model of the
 - snapshot cost: what the steps from a snapshot's save() call to its seal took beyond that many steps without
   one - the median over the last 8 snapshots; a snapshot that first mapped a slot (a one-time cost per slot
   and process) is not counted;
-- certify cost: the device time of the fingerprint every save() computes (its host time hides behind the
-  device's work in a GPU-bound step; its device time does not).
+- certify cost: the device time of the fingerprint every save() computes, timed alone at a process's first
+  calls (its host time hides behind the device's work in a GPU-bound step; its device time does not).
 All follow the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one
 is due is not waited for: that call only certifies (coalesced).
 
@@ -51,11 +51,13 @@ class OverheadBudget:
         self.max_overhead = max_overhead
         self._clean: deque[float] = deque(maxlen=16)    # steps with no snapshot in flight
         self._costs: deque[float] = deque(maxlen=8)     # each snapshot's cost beyond that many clean steps
-        self.certify_s: Optional[float] = None          # device time of a save()'s fingerprint (running mean)
+        self.certify_s: Optional[float] = None          # device time of a save()'s fingerprint, timed alone
         self.call_s: Optional[float] = None             # host time of a save() that only certifies (reported)
         self.in_flight_steps = 0                        # the most save() calls a snapshot was seen in flight
         self.mean_in_flight: Optional[float] = None
-        self.interval = 1
+        # until something is measured: a step without a snapshot in flight after each (what is measured against);
+        # without a budget, every call
+        self.interval = 1 if max_overhead is None else 2
         self._last_call: Optional[float] = None
         self._busy = False
         self._open: Optional[list] = None               # the snapshot being costed: [excess so far, counted]
@@ -108,13 +110,15 @@ class OverheadBudget:
         self._last_call = None
         self._open = None
 
-    def certified(self, host_s: Optional[float], device_s: Optional[float] = None) -> None:
-        """A save() call that only certified took `host_s` of the host (None: it also snapshots); the previous
-        call's fingerprint took `device_s` of the device (None: not known)."""
-        if host_s is not None:
-            self.call_s = _mean(self.call_s, host_s)
-        if device_s is not None:
-            self.certify_s = _mean(self.certify_s, device_s)
+    def certified(self, host_s: float) -> None:
+        """A save() call that only certified took `host_s` of the host (reported; hidden behind the device's
+        work in a GPU-bound step)."""
+        self.call_s = _mean(self.call_s, host_s)
+
+    def certify_measured(self, device_s: float) -> None:
+        """A save()'s fingerprint took `device_s` of the device, timed alone (the least seen counts)."""
+        self.certify_s = device_s if self.certify_s is None else min(self.certify_s, device_s)
+        self._update()
 
     def in_flight(self, calls: int) -> None:
         """A snapshot was sealed `calls` save() calls after its own."""

@@ -54,10 +54,15 @@ def build(dim: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def check_slot(cm: CheckpointManager, step: int, state: dict) -> None:
     """The slot of `step` holds exactly the live state (which is at `step`: nothing ran since that save)."""
     cm.wait()
-    path = os.path.join(cm.slot_dir(), f"slot{step % 2}")
-    with open(path, "rb") as fh:
-        data = bytearray(fh.read())
-    got_step, payload = snapshot_io.decode(data, path, verify=True, copy=False)
+    found = None
+    for i in (0, 1):                       # the slot that holds `step` (not the step's parity: see _next_slot)
+        path = os.path.join(cm.slot_dir(), f"slot{i}")
+        with open(path, "rb") as fh:
+            data = bytearray(fh.read())
+        if snapshot_io.header(data, path)[0] == step:
+            found = (data, path)
+    assert found is not None, f"no slot holds step {step}"
+    got_step, payload = snapshot_io.decode(found[0], found[1], verify=True, copy=False)
     assert got_step == step, (got_step, step)
     for name, obj in state.items():
         saved = list(tensors_in(payload["state"][name][1]))
