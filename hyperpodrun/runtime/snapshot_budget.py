@@ -83,6 +83,8 @@ class OverheadBudget:
             else:
                 self._close()
                 self._clean.append(took)
+                if self._costs or self.certify_s is not None:
+                    self._update()
         self._last_call = now
         return now
 
@@ -127,11 +129,13 @@ class OverheadBudget:
 
     def _update(self) -> None:
         step, cost = self.step_s, self.snapshot_s
-        if self.max_overhead is None or step is None or cost is None:
+        if self.max_overhead is None or step is None:
             return
         room = self.max_overhead * step - (self.certify_s or 0.0)
-        if room <= 0:
+        if room <= 0:                   # certifying alone spends the budget: known before any snapshot is costed
             self.interval = MAX_INTERVAL
+            return
+        if cost is None:
             return
         cycle = math.ceil(cost / room)                  # steps to spread one snapshot's cost over
         self.interval = max(2, min(MAX_INTERVAL, cycle - math.floor(self.mean_in_flight or 0.0)))

@@ -10,6 +10,7 @@ the compute stream at the end of each step (as a loop that logs `loss.item()` do
   default     CheckpointManager() - what the budget (max_overhead=0.02) makes of a save() every step
   normalprio  the same, with the checksum helpers that sum a snapshot beside the training at normal CPU
               priority instead of the idle class (what that choice buys)
+  default-t<n>  default with at most n checksum threads (1: the writer thread sums the slot alone, at seal)
   fixed<k>    CheckpointManager(max_overhead=None), save() every k-th step: every call snapshots (each waits
               for the one before), so the per-snapshot cost is seen without the budget
 Each configuration keeps one CheckpointManager for the whole run (as a job does: the budget's measurements
@@ -105,9 +106,11 @@ def block(job: Job, name: str, cm: Optional[CheckpointManager], every: int, step
     state = {"model": job.model, "opt": job.opt}
     if cm is not None:
         cm._budget.restarted()      # the time the other configurations ran is no step of this one
-    normal = slot_checksum._BACKGROUND
+    normal, threads = slot_checksum._BACKGROUND, slot_checksum.MAX_THREADS
     if name == "normalprio":
         slot_checksum._BACKGROUND = NORMAL_POOL
+    if "-t" in name:
+        slot_checksum.MAX_THREADS = int(name.split("-t")[1])
     sealed, seen = [], cm.last_saved if cm is not None else None
 
     def save(step: int) -> None:
@@ -125,7 +128,7 @@ def block(job: Job, name: str, cm: Optional[CheckpointManager], every: int, step
             job.one_step(save)
             times.append(time.perf_counter() - t0)
     finally:
-        slot_checksum._BACKGROUND = normal
+        slot_checksum._BACKGROUND, slot_checksum.MAX_THREADS = normal, threads
     out: dict[str, Any] = {"name": name, "mean_step_s": statistics.fmean(times), "median_step_s": statistics.median(times),
                            "step_s": times, "sealed_seen": sealed}
     if cm is not None:

@@ -264,3 +264,14 @@ def test_the_interval_counts_from_the_seal_so_steps_without_a_snapshot_in_flight
     cm.wait()
     assert cm.last_saved == 6
     cm.close()
+
+
+def test_a_budget_that_certifying_alone_spends_snapshots_seldom_from_the_first_steps(monkeypatch) -> None:
+    """Certifying costs 3 ms of a 0.1 s step, more than 2 %: no snapshot need be costed to know the interval is
+    its cap (otherwise the first snapshots, one step apart, were paid until one had been measured)."""
+    clock = Clock()
+    monkeypatch.setattr(snapshot_budget.time, "perf_counter", clock)
+    b = OverheadBudget(0.02)
+    b.certify_measured(0.003)
+    _drive(b, clock, [0.1, 0.1])
+    assert b.snapshot_s is None and b.interval == MAX_INTERVAL
