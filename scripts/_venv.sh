@@ -27,6 +27,14 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 fi
 "$VENV/bin/python" -m pip install -q -e ".[test]"
+# The oldest transformers the Hugging Face callback supports, beside the newest the test extra installs, for
+# tests/test_hf_trainer.py (its workers put this directory first on PYTHONPATH). Only what differs from the
+# environment's own packages goes there.
+if [ ! -d "$VENV/oldest-transformers/transformers-5.17.0.dist-info" ]; then
+  rm -rf "$VENV/oldest-transformers"
+  "$VENV/bin/python" -m pip install -q --no-deps --target "$VENV/oldest-transformers" "transformers==5.17.0" \
+    "huggingface-hub>=1.5,<2" httpx httpcore h11 anyio certifi
+fi
 case "$VENV" in
   /*) export PATH="$VENV/bin:$PATH" ;;
   *) export PATH="$PWD/$VENV/bin:$PATH" ;;

@@ -162,6 +162,45 @@ def test_trainer_recovers_bitwise_exact(tmp_path, reference, config, faults):
     assert result(out, 0)["restored_step"] in expected[-1], info
 
 
+def _oldest_transformers() -> dict:
+    """The environment that makes a worker import the oldest supported transformers (scripts/_venv.sh installs it
+    into the virtual environment, beside the newest)."""
+    from hyperpodrun.integrations.transformers import TESTED
+    path = os.path.join(sys.prefix, "oldest-transformers")
+    if not os.path.isdir(os.path.join(path, f"transformers-{TESTED[0]}.dist-info")):
+        pytest.fail(f"transformers {TESTED[0]} is not in {path}: run the tests with scripts/test.sh, which installs it")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)}
+
+
+@pytest.mark.slow
+def test_the_oldest_supported_transformers_recovers_bitwise_exact_too(tmp_path):
+    """The same script and faults on transformers 5.17 (what a GPU image ships; it lacks `_initial_global_step`):
+    an exception mid-accumulation, a SIGKILL, an exception after train() returned - bitwise equal to the
+    fault-free run on that version, every step restored from memory."""
+    from hyperpodrun.integrations.transformers import TESTED
+    nproc, env = CONFIGS["B"]
+    env = {**env, **_oldest_transformers()}
+    rc, ref, err = torchrun(tmp_path, "ref-oldest", nproc, env)
+    assert rc == 0, err[-3000:]
+    assert result(ref, 0)["transformers"] == TESTED[0]
+    spec, expected = _faults_b()
+    rc, out, err = hyperpodrun(tmp_path, "faulty-oldest", nproc, {**env, "FAULTS": spec})
+    info = f"FAULTS={spec} seed={SEED}\n{err[-3000:]}"
+    assert rc == 0, info
+    assert result(out, 0)["transformers"] == TESTED[0], info
+    restored = [e for e in events(tmp_path, "faulty-oldest") if e["event"] == "state_restored"]
+    assert [e["source"] for e in restored] == ["memory"] * len(expected), info
+    assert_same(ref, out, nproc, info)
+
+
+def test_the_newest_supported_transformers_is_the_one_installed():
+    """The test extra installs the newest 5.x; the callback says which it is tested with."""
+    import transformers
+
+    from hyperpodrun.integrations.transformers import TESTED
+    assert transformers.__version__ == TESTED[-1], "update TESTED (and the README) to the transformers tested"
+
+
 @pytest.mark.slow
 def test_a_model_built_outside_keeps_its_live_state(tmp_path, reference):
     """The model built once outside the wrapped function; the Trainer, its optimizer and DDP are made again in

@@ -20,7 +20,8 @@ fails with one MissingDependencyError naming it, never with silently wrong resul
 - on_train_begin (the model is wrapped in DDP, optimizer and LR scheduler exist): find the Trainer (the
   frame that runs its training loop), restore model, optimizer, LR scheduler, grad scaler, `TrainerState`,
   `TrainerControl`, the stateful callbacks, the RNG states and the loss bookkeeping (`_tr_loss`,
-  `_total_loss_scalar`, `_globalstep_last_logged`, `_initial_global_step`, `current_flos`).
+  `_total_loss_scalar`, `_globalstep_last_logged`, `current_flos`, and `_initial_global_step` where the
+  Trainer has one: 5.17 has not).
 - `Trainer._run_epoch` (wrapped on the instance): epochs already completed are skipped; the resumed epoch
   runs with the Trainer's own resume arguments (epochs_trained, steps_trained_in_current_epoch and a
   marker in place of resume_from_checkpoint), so accelerate's `skip_first_batches` skips the batches
@@ -72,8 +73,10 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "_maybe_log_save_evaluate": (),
     "_load_rng_state": ("checkpoint",),
 }
-_ATTRIBUTES = ("_tr_loss", "_total_loss_scalar", "_globalstep_last_logged", "_initial_global_step", "current_flos",
+_ATTRIBUTES = ("_tr_loss", "_total_loss_scalar", "_globalstep_last_logged", "current_flos",
                "model_wrapped", "optimizer", "lr_scheduler", "accelerator", "callback_handler", "control", "state")
+#: the transformers releases the callback is tested with, in CI (tests/test_hf_trainer.py): the oldest and newest
+TESTED = ("5.17.0", "5.25.0")
 #: per-rank fields of TrainerState that a replica peer's snapshot must not overwrite
 _PER_RANK = ("is_local_process_zero", "is_world_process_zero")
 
@@ -99,7 +102,7 @@ def _check_internals(trainer: Any) -> None:
         raise MissingDependencyError(
             f"CheckpointlessTrainerCallback: this transformers ({transformers.__version__}) Trainer lacks "
             f"{', '.join(missing)}, which the callback needs to resume exactly (it supports transformers 5.x, "
-            "tested with 5.24); install a supported transformers")
+            f"tested with {' and '.join(TESTED)}); install a supported transformers")
 
 
 def _find_trainer(callback: Any) -> Any:
@@ -188,7 +191,9 @@ class _TrainerEntry:
         state["log_history"] = self.owner._history.encode(t.state.log_history)
         return {"state": state, "control": dataclasses.asdict(t.control), "callbacks": _callback_states(t),
                 "loss": {"tr_loss": t._tr_loss, "total": float(t._total_loss_scalar),
-                         "last_logged": int(t._globalstep_last_logged), "initial_step": int(t._initial_global_step),
+                         "last_logged": int(t._globalstep_last_logged),
+                         # 5.25 has it (train_loss averages over this train() call's steps); 5.17 has not
+                         "initial_step": int(getattr(t, "_initial_global_step", -1)),
                          "initial_tokens": int(getattr(t, "_initial_num_input_tokens_seen", 0) or 0),
                          "flos": float(t.current_flos)},
                 "position": dict(self.owner._position)}
@@ -214,7 +219,8 @@ class _TrainerEntry:
         t._tr_loss = loss["tr_loss"].to(t._tr_loss.device)
         t._total_loss_scalar = loss["total"]
         t._globalstep_last_logged = loss["last_logged"]
-        t._initial_global_step = loss["initial_step"]
+        if hasattr(t, "_initial_global_step") and loss["initial_step"] >= 0:
+            t._initial_global_step = loss["initial_step"]
         t._initial_num_input_tokens_seen = loss["initial_tokens"]
         t.current_flos = loss["flos"]
         pos = sd["position"]

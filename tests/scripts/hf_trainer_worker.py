@@ -22,6 +22,7 @@ import signal
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
@@ -143,7 +144,7 @@ def main(caller=None):
     torch.save({"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                 "opt": opt.state_dict(), "global_step": trainer.state.global_step, "train_loss": out.training_loss,
                 "epoch": trainer.state.epoch, "log_history": [timeless(e) for e in trainer.state.log_history],
-                "restored_step": checkpointless.restored_step},
+                "restored_step": checkpointless.restored_step, "transformers": transformers.__version__},
                os.path.join(OUT_DIR, f"rank{RANK}.pt"))
     del trainer, model, out, opt   # before the group goes: a gloo thread must not free a tensor at exit
     gc.collect()
