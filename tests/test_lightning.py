@@ -97,16 +97,14 @@ def test_lightning_run_recovers_bitwise_exact(tmp_path, reference, accum, steps,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("raiser", ["not-rank-0", "rank-0"])
-def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference, raiser, request):
+def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference, raiser):
     """The LightningModule built once outside the wrapped function; the Trainer, DDP and the optimizers are made
     again in every generation. An exception between backward and the optimizer step: no rank copies its state
     back from a slot - the module holds the step's values, the new optimizer is given the previous one's state
     tensors - and the run ends bitwise equal to the fault-free one."""
-    # Known defect, not yet fixed: the survivors are sometimes restored from their slots ('shm') instead of
-    # kept live (exact, but a copy) - always when rank 0 raises, now and then when another rank does. Run (not
-    # skipped) and marked as an expected failure until fixed, so that it is seen and does not turn CI red.
-    request.applymarker(pytest.mark.xfail(reason="survivors restored from their slots, not live (open defect; "
-                                          "always with rank 0 raising)", strict=False))
+    # rank 0 raising is the hard case: it is a step behind the others, and DDP's construction broadcast (from rank
+    # 0) would overwrite the survivors' live values with its older ones before restore() - the callback makes
+    # DDP without it in a restart generation
     rank, step = (0 if raiser == "rank-0" else _rng.randrange(1, 4)), _rng.randrange(3, 9)
     spec = f"raise:{rank}:{step}:prestep"
     rc, out, err = run_job(tmp_path, "outside", {"STEPS": "12", "FAULTS": spec, "MODEL_OUTSIDE": "1"})
@@ -119,8 +117,10 @@ def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference, raiser
     # the others may have completed the step before the restart reached them (the raise comes after the
     # gradient all-reduce): then the raising rank gets that step from a replica's live tensors - still no copy
     # from a slot, and nothing trained again
-    assert all(how[r]["1"] == "live" for r in range(4) if r != rank), f"{how}\n{info}"
-    assert how[rank]["1"] in ("live", "replica"), f"{how}\n{info}"
+    # a survivor that the restart reached before its own save() of that step (it raised too, in its step) gets it
+    # the same way: a peer's live tensors. What must never happen is a copy from a slot.
+    assert all(how[r]["1"] in ("live", "replica") for r in range(4)), f"{how}\n{info}"
+    assert sum(how[r]["1"] == "live" for r in range(4)) >= 1, f"{how}\n{info}"
     restored = [e for e in events(tmp_path, "outside") if e["event"] == "state_restored"]
     assert len(restored) == 1 and restored[0]["step"] in (step, step + 1), f"{restored}\n{info}"
     assert restored[0]["lost_steps"] == 0, f"{restored}\n{info}"

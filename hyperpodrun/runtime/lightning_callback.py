@@ -141,16 +141,43 @@ class CheckpointlessCallback:
         self._state: Optional[dict] = None
         self._last_saved: Optional[int] = None
         self._rng: Optional[dict] = None
+        self._unsynced: Optional[dict] = None   # the DDP arguments given init_sync=False by setup()
 
     def __reduce__(self) -> tuple:
         return CheckpointlessCallback, (self.checkpoint_manager, self.save_every)
 
     # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Before the strategy wraps the module (DDP): in a generation after a restart, DDP is made without its
+        construction broadcast, which would copy rank 0's parameters over every rank's before restore() runs.
+        Why: a survivor keeps the values of its last committed step only if nothing wrote them - and rank 0 may be
+        the rank that raised, a step behind the others (then every survivor's live state was overwritten with
+        the older values and copied back from its slot). restore() makes every rank's module the committed
+        step; where nothing was committed, on_fit_start broadcasts from rank 0 as DDP would have. Every rank
+        decides alike: the generation is the same on all, and an init_sync the script set is left as it is."""
+        self._unsynced = None
+        if stage != "fit" or self._generation(trainer) < 1:
+            return
+        kwargs = getattr(trainer.strategy, "_ddp_kwargs", None)
+        if isinstance(kwargs, dict) and "init_sync" not in kwargs and _ddp_takes_init_sync():
+            kwargs["init_sync"] = False
+            self._unsynced = kwargs
+
+    def _generation(self, trainer: Any) -> int:
+        caller = getattr(trainer, "wrapper", None) or self.checkpoint_manager.caller
+        generation = getattr(caller, "iteration", 0)
+        return generation if isinstance(generation, int) else 0
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         from hyperpodrun.runtime.state_dicts import rng_state, set_rng_state
+        unsynced, self._unsynced = getattr(self, "_unsynced", None), None
+        if unsynced is not None:
+            unsynced.pop("init_sync", None)        # the strategy's arguments as the script gave them
         self._state = self.state_of(trainer)
         before = rng_state()
         self.restored_step = self.checkpoint_manager.restore(self._state)
+        if unsynced is not None and self.restored_step is None:
+            _broadcast_module(trainer.strategy.model)
         if self.restored_step is not None:
             # the restored RNG is for the training steps; what fit does first (train_dataloader() may draw a
             # dataset from the global RNG, as Lightning's RandomDataset does) draws as in the fault-free run
@@ -197,6 +224,28 @@ class CheckpointlessCallback:
             state[f"lr_scheduler{i}"] = config.scheduler
         state["trainer"] = _TrainerState(trainer, self)
         return state
+
+
+def _ddp_takes_init_sync() -> bool:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+    try:
+        return "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _broadcast_module(module: Any) -> None:
+    """Rank 0's parameters and buffers to every rank (what DDP's construction does when init_sync is on)."""
+    import torch
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    inner = getattr(module, "module", module)
+    with torch.no_grad():
+        for t in list(inner.parameters()) + list(inner.buffers()):
+            dist.broadcast(t.data, src=0)
 
 
 __all__ = ["CheckpointlessCallback"]
