@@ -308,11 +308,12 @@ class CheckpointManager:
                 payload["state"][name] = ("value", obj)
         if self.reuse_live:
             # certified at every call: values fingerprinted behind the training, on the device
-            self._live = LiveState(step, payload, self._streams if self._on_gpu else None)
+            calibrating = bool(self._on_gpu) and self._budgeted and self._calibrations < 2
+            self._live = LiveState(step, payload, self._streams if self._on_gpu else None, timed=calibrating)
             self._live_generation = getattr(self._caller, "iteration", 0)
             if self._on_gpu:
                 self._install_step_barrier()
-                if self._budgeted and self._calibrations < 2:
+                if calibrating:
                     self._calibrate(self._live)
         busy = self._writer.busy()
         # the interval counts from the previous snapshot's seal, not its start: `interval` steps with no snapshot

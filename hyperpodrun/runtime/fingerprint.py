@@ -41,9 +41,10 @@ class Fingerprint:
     """Fingerprints of an ordered list of tensors (computed at construction, possibly still running on a side
     stream: `event` per device says when). Holds small result tensors only, never a reference to the state."""
 
-    def __init__(self, tensors: Sequence[Any], streams: Any = None) -> None:
+    def __init__(self, tensors: Sequence[Any], streams: Any = None, timed: bool = False) -> None:
         """`streams`: a SideStream to compute device tensors' fingerprints on (after the current stream's work
-        so far); None: on the current stream."""
+        so far); None: on the current stream. `timed`: record timing events (device_seconds) - only when asked,
+        as this runs at every save()."""
         import torch
         #: (shape, dtype, device) of each tensor, once remember_layout() was called (the caller that holds the
         #: tensors themselves need not: they are what matches() is asked about)
@@ -57,9 +58,9 @@ class Fingerprint:
             groups.setdefault((local.device, local.dtype), []).append(local)
         self.values: list[Any] = []
         with torch.no_grad():
-            self._compute(groups, streams)
+            self._compute(groups, streams, timed)
 
-    def _compute(self, groups: dict[tuple, list[Any]], streams: Any) -> None:
+    def _compute(self, groups: dict[tuple, list[Any]], streams: Any, timed: bool) -> None:
         import torch
         for (device, dtype), ts in groups.items():
             if device.type == "cuda" and streams is not None:
@@ -69,11 +70,11 @@ class Fingerprint:
                 self.source_events[device] = source
                 stream.wait_event(source)
                 with torch.cuda.stream(stream):
-                    if device not in self._started:
+                    if timed and device not in self._started:
                         self._started[device] = torch.cuda.Event(enable_timing=True)
                         self._started[device].record(stream)
                     self.values.append(_group_print(ts, dtype))
-                    event = torch.cuda.Event(enable_timing=True)
+                    event = torch.cuda.Event(enable_timing=timed)
                     event.record(stream)
                     self.events[device] = event
             else:

@@ -170,7 +170,7 @@ class CheckpointlessCallback:
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         from hyperpodrun.runtime.state_dicts import rng_state, set_rng_state
-        unsynced, self._unsynced = getattr(self, "_unsynced", None), None
+        unsynced, self._unsynced = self._unsynced, None
         if unsynced is not None:
             unsynced.pop("init_sync", None)        # the strategy's arguments as the script gave them
         self._state = self.state_of(trainer)

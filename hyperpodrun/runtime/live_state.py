@@ -162,9 +162,9 @@ class LiveState:
     the memory for that is short when a restart begins, `release_if_short` lets them go (then only objects
     that still hold them are kept)."""
 
-    def __init__(self, step: int, payload: Mapping[str, Any], streams: Any = None) -> None:
+    def __init__(self, step: int, payload: Mapping[str, Any], streams: Any = None, timed: bool = False) -> None:
         """`payload`: the save's payload (entries ("sd", state dict) or ("value", obj), RNG, layouts);
-        `streams`: a SideStream for the device fingerprints (None: the current stream)."""
+        `streams`: a SideStream for the device fingerprints (None: the current stream); `timed`: time them."""
         self.step = step
         tensors: list = []
         self._entries: dict[str, _Entry] = {}
@@ -174,7 +174,7 @@ class LiveState:
             self._entries[name] = _Entry(kind, saved, tensors)
             self._spans[name] = (first, len(tensors))
         self._rest = {k: v for k, v in payload.items() if k != "state"}
-        self.print = Fingerprint(tensors, streams)
+        self.print = Fingerprint(tensors, streams, timed)
         self._refs: Optional[list] = tensors
         #: after payload_for: whether some object was given the values from the previous generation's tensors
         self.handed_over = False
