@@ -22,35 +22,14 @@ from hyperpodrun.env import LOOPBACK_IFNAME, LOOPBACK_IFNAME_VARS, keep_on_loopb
 WORKER = r'''
 import datetime, json, os, socket, sys
 import torch, torch.distributed as dist
-
-def own_tcp_sockets():
-    """(state, local address) of every TCP socket this process holds."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/self/net/{name}") as fh:
-            for line in list(fh)[1:]:
-                fields = line.split()
-                if fields[9] not in inodes:
-                    continue
-                raw = bytes.fromhex(fields[1].split(":")[0])
-                # /proc prints the address as host-order 32-bit words
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                found.append({"state": fields[3], "addr": socket.inet_ntop(family, raw)})
-    return found
+sys.path.insert(0, TESTS)
+from proc_sockets import tcp_sockets
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 t = torch.ones(4)
 dist.all_reduce(t)
 rank = dist.get_rank()
-record = {"sockets": own_tcp_sockets(), "resolved": socket.gethostbyname(socket.gethostname()),
+record = {"sockets": [{"state": s["state"], "addr": s["addr"]} for s in tcp_sockets()], "resolved": socket.gethostbyname(socket.gethostname()),
           "env": {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}}
 dist.barrier()
 with open(os.path.join(sys.argv[1], f"listen{rank}.json"), "w") as fh:
@@ -97,7 +76,7 @@ def test_a_single_node_job_listens_on_loopback_only_where_the_host_name_is_routa
         pytest.skip("this machine has no global IPv4 address for the host name to resolve to")
     hosts = tmp_path / "hosts"
     hosts.write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
-    worker = write_script(tmp_path, "listen.py", WORKER)
+    worker = write_script(tmp_path, "listen.py", f"TESTS = {os.path.dirname(os.path.abspath(__file__))!r}\n" + WORKER)
     log_dir = tmp_path / "logs"
     cmd = ["unshare", "--mount", "--propagation", "private", "bash", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
            str(hosts), HYPERPODRUN, "--log-dir", str(log_dir)]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, read_events, wait_until, write_script
+from proc_sockets import LISTEN, tcp_sockets
 from hyperpodrun import auth, safe_fs
 from hyperpodrun.agent.coordination import Coordinator, SignedRecords
 from hyperpodrun.agent.events import EventLog
@@ -232,30 +233,7 @@ while not (out / "release").exists():
 
 def _listening(pid: int) -> list[str]:
     """The local addresses of the TCP sockets process `pid` listens on (from /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = []
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(path).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] != "0A" or f[9] not in inodes:
-                continue
-            hexaddr, hexport = f[1].split(":")
-            raw = bytes.fromhex(hexaddr)
-            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-            found.append(f"{socket.inet_ntop(family, words)}:{int(hexport, 16)}")
-    return found
+    return [f"{s['addr']}:{s['port']}" for s in tcp_sockets(pid) if s["state"] == LISTEN]
 
 
 def _is_loopback(addr: str) -> bool:
