@@ -125,6 +125,17 @@ class SlotFile:
         as it is - the other slot of a rank, which may hold the newest sealed snapshot. Returns whether it mapped
         now. Why: mapping and registering a 6.4 GB slot stalls the training for seconds (3.4 s seen on an
         H200 host); done for both slots at the first snapshot, no later step pays it."""
+        if self._map is not None and size <= self._size:
+            return False
+        try:
+            held = os.stat(self.path).st_size
+        except FileNotFoundError:
+            held = 0
+        if held:
+            # a file that holds something is never written here, not even truncated to its own size: that moves
+            # its times, and a slot sealed by this process whose times moved counts as changed since (skipped at
+            # a restore - seen as a step that survived nowhere). Too small: mapped when a snapshot is written to it.
+            return self._map_for(size, pin, keep=True) if held >= size + META_SLACK else False
         return self._map_for(size, pin, keep=True)
 
     def _map_for(self, size: int, pin: bool, keep: bool) -> bool:
@@ -142,10 +153,12 @@ class SlotFile:
         size += META_SLACK
         fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
-            if keep:
-                size = max(size, os.fstat(fd).st_size)      # never cut what the file holds
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)      # a full tmpfs fails here (ENOSPC), not later (SIGBUS)
+            held = os.fstat(fd).st_size if keep else 0
+            if held >= size:
+                size = held                          # kept as it is (reserve): mapped, not written
+            else:
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)      # a full tmpfs fails here (ENOSPC), not later (SIGBUS)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
