@@ -489,3 +489,49 @@ def test_an_outsiders_newer_step_in_the_restore_inventory_is_refused(tmp_path, r
     starts = {int(line.split()[1]) for r in range(4) for line in open(os.path.join(out, f"entries.rank{r}"))}
     assert max(starts) <= 4, starts
     assert_same(reference("allreduce"), out)
+
+
+def test_after_a_restore_to_an_older_step_the_abandoned_newer_slot_goes_first(tmp_path, monkeypatch):
+    """A rank that sealed step 5 while a peer had only step 4: the job restores step 4. Its slot of step 5 is
+    the abandoned history - the next snapshot must overwrite it, never the slot of step 4 (else, when a second
+    fault comes before every rank has sealed the new step 5, no step is held by every rank: StateLostError,
+    seen with FSDP2 under load), and no later restore may plan with the old step 5."""
+    from hyperpodrun import CheckpointManager
+    from hyperpodrun.runtime import checkpoint, restore_plan, snapshot_io
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abandoned-test")
+    monkeypatch.setenv("RANK", "0")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "opt": opt}
+    cm = CheckpointManager(shm_dir=str(tmp_path))
+    values = {}
+    for step in (4, 5):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        cm.save(step, state)
+        values[step] = model.weight.detach().clone()
+    cm.wait()
+    peer = {"shm": [3, 4], "disk": [], "latest": 4, "copies": {}, "never_committed": False, "live": None, "at": 4}
+
+    def gather_with_a_peer(mine, channel):       # a second rank that never sealed step 5
+        return restore_plan.Gathered([mine, peer], {})
+    monkeypatch.setattr(checkpoint, "gather", gather_with_a_peer)
+    fresh = torch.nn.Linear(4, 4)
+    state = {"model": fresh, "opt": torch.optim.SGD(fresh.parameters(), lr=0.1)}
+    assert cm.restore(state) == 4 and cm.restored_from == "shm"
+    assert torch.equal(fresh.weight, values[4])
+
+    def held() -> dict[int, str]:
+        return {snapshot_io.header(open(p, "rb").read(), p)[0]: p
+                for p in (os.path.join(cm.slot_dir(), f"slot{i}") for i in (0, 1)) if os.path.exists(p)}
+    assert set(held()) == {4}, "the slot of the abandoned step 5 is still offered"
+    with torch.no_grad():
+        fresh.weight.add_(2.0)                    # step 5 again, another history
+    cm.save(5, state)
+    cm.wait()
+    assert set(held()) == {4, 5}, "the new step 5 overwrote the slot of the restored step 4"
+    # the peer sealed neither: a second fault restores step 4 again, from the slot kept
+    again = torch.nn.Linear(4, 4)
+    assert cm.restore({"model": again, "opt": torch.optim.SGD(again.parameters(), lr=0.1)}) == 4
+    assert torch.equal(again.weight, values[4])

@@ -107,22 +107,23 @@ def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference, raiser
     # DDP without it in a restart generation
     rank, step = (0 if raiser == "rank-0" else _rng.randrange(1, 4)), _rng.randrange(3, 9)
     spec = f"raise:{rank}:{step}:prestep"
-    rc, out, err = run_job(tmp_path, "outside", {"STEPS": "12", "FAULTS": spec, "MODEL_OUTSIDE": "1"})
+    # the raise waits until the others have saved the step (FAULT_AFTER_PEERS_SAVED): a restart that catches a
+    # survivor between its optimizer step and that save makes the job restore the step before, and that survivor
+    # then rightly copies it back from its slot (seen under load, in CI) - a timing, not what this test is about
+    rc, out, err = run_job(tmp_path, "outside", {"STEPS": "12", "FAULTS": spec, "MODEL_OUTSIDE": "1",
+                                                 "FAULT_AFTER_PEERS_SAVED": "1"})
     info = f"FAULTS={spec} seed={SEED}\n{err[-3000:]}"
     assert rc == 0, info
     how = {}
     for r in range(4):
         with open(os.path.join(out, f"restores.rank{r}")) as f:
             how[r] = dict(line.split() for line in f)
-    # the others may have completed the step before the restart reached them (the raise comes after the
-    # gradient all-reduce): then the raising rank gets that step from a replica's live tensors - still no copy
-    # from a slot, and nothing trained again
-    # a survivor that the restart reached before its own save() of that step (it raised too, in its step) gets it
-    # the same way: a peer's live tensors. What must never happen is a copy from a slot.
+    # the others completed the step (the raise comes after the gradient all-reduce): the raising rank gets that
+    # step from a replica's live tensors - no copy from a slot, and nothing trained again
     assert all(how[r]["1"] in ("live", "replica") for r in range(4)), f"{how}\n{info}"
     assert sum(how[r]["1"] == "live" for r in range(4)) >= 1, f"{how}\n{info}"
     restored = [e for e in events(tmp_path, "outside") if e["event"] == "state_restored"]
-    assert len(restored) == 1 and restored[0]["step"] in (step, step + 1), f"{restored}\n{info}"
+    assert len(restored) == 1 and restored[0]["step"] == step + 1, f"{restored}\n{info}"
     assert restored[0]["lost_steps"] == 0, f"{restored}\n{info}"
     assert_same(reference("1", "12"), out, info)
 

@@ -21,7 +21,7 @@ IS_ROOT = os.geteuid() == 0
 SECRET_VALUE = 7.25            # rank 0's "secret" initial weights: the outsider must never see it
 
 TRAIN = """
-import json, os, sys, time
+import gc, json, os, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -46,7 +46,11 @@ def run(out, rank, gen):
         loss.backward()
         opt.step()
     (out / f"final{rank}.json").write_text(json.dumps([p.detach().flatten().tolist() for p in model.parameters()]))
-    del ddp, opt
+    # DDP, the last loss (its graph holds the reducer) and the collectives' tensors go before the group, then a
+    # barrier: a gloo thread must not free a tensor while Python exits (torch can abort the process then)
+    del ddp, opt, loss
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 """.replace("SECRET", repr(SECRET_VALUE))

@@ -648,6 +648,7 @@ class CheckpointManager:
                 return self.restore(state)
             self.restored_from = source
         phase("load")
+        self._forget_newer(step)
         self.last_saved = step
         if self._session is not None and self.rank == 0:
             from hyperpodrun import protocol as P
@@ -726,6 +727,15 @@ class CheckpointManager:
         """The slot the next snapshot goes to: the one not holding the newest snapshot known (with snapshots
         every k steps, alternating by the step's parity would overwrite the newest one when k is even)."""
         return min(self._slot_paths(), key=lambda p: self._slot_steps.get(p, -1))
+
+    def _forget_newer(self, step: int) -> None:
+        """Drop this rank's slots holding a step newer than the one the job restored: that history was abandoned.
+        Kept, the next snapshot would overwrite the restored step's slot instead (_next_slot takes the lowest),
+        and a later restore could plan with a step of the old history that the other ranks never had."""
+        for path, held in list(self._slot_steps.items()):
+            if held > step:
+                log.debug("rank %d: dropping %s (step %d, past the restored step %d)", self.rank, path, held, step)
+                self._drop_slot(path)
 
     def _slot_paths(self) -> list[str]:
         d = self._ensure_dir()

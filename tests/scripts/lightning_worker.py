@@ -44,11 +44,28 @@ cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
 def maybe_fault(where: str, step: int, generation: int) -> None:
     for kind, frank, fstep, fwhere, *gen in FAULTS:
         if fwhere == where and int(frank) == RANK and int(fstep) == step and generation == int((gen or [0])[0]):
+            if os.environ.get("FAULT_AFTER_PEERS_SAVED") == "1":
+                # every other rank has saved the step this one is in (a prestep raise: the gradients were
+                # all-reduced, so the others complete it): else the restart may catch a peer between its optimizer
+                # step and that save, and the job rightly restores the step before - a timing, not the case tested
+                target, world = step + (where == "prestep"), int(os.environ["WORLD_SIZE"])
+                end = time.monotonic() + 120
+                while time.monotonic() < end and not all(_progress(r) >= target for r in range(world) if r != RANK):
+                    time.sleep(0.002)
             with open(os.path.join(OUT_DIR, "faults.txt"), "a") as f:
                 f.write(f"{RANK} {kind} {step} {time.time()}\n")
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected {kind} at step {step} ({where})")
+
+
+def _progress(rank: int) -> int:
+    """The last step rank `rank` saved, as its progress file says, or -1."""
+    try:
+        with open(os.path.join(OUT_DIR, f"progress.rank{rank}")) as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 class Numbers(Dataset):
@@ -104,6 +121,12 @@ class Net(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         maybe_fault("prestep", self.trainer.global_step, self.generation)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:   # after the callback's save() of the step
+        tmp = os.path.join(OUT_DIR, f"progress.rank{RANK}.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{self.trainer.global_step}\n")
+        os.replace(tmp, os.path.join(OUT_DIR, f"progress.rank{RANK}"))
 
     def on_train_start(self) -> None:   # after the callback's restore: how this rank got its state
         with open(os.path.join(OUT_DIR, f"restores.rank{RANK}"), "a") as f:
