@@ -617,7 +617,9 @@ class CheckpointManager:
                 try:
                     _, payload = io.decode(slot.map if slot is not None else data, what,
                                            verify=not verified and alongside is None, copy=False)
-                    phase("open")
+                    # "map": the slot was mapped (and registered) for this restore - no mapping of this
+                    # process's nor a standby's prepinned one to read through (restore_phases says which)
+                    phase("open" if slot is None or slot.mapped_ahead else "map")
                     self._load(payload, state, non_blocking=slot is not None and slot.pinned)   # copies out of it
                     if alongside is not None:
                         alongside.result()

@@ -309,6 +309,12 @@ class DeviceReadable:
     def pinned(self) -> bool:
         return self._registered is not None or self._borrowed_pinned
 
+    @property
+    def mapped_ahead(self) -> bool:
+        """Whether the mapping was there already (this process's own, or a standby's prepinned one): nothing
+        was mapped or registered for this restore."""
+        return self._borrowed
+
     def close(self) -> None:
         """Wait for the copies out of the mapping, then unpin it (the mapping goes with its last view)."""
         if self._borrowed:          # the mapping stays for this rank's saves (take, SlotFile)

@@ -7,7 +7,7 @@ fingerprint: live_state.py) - an exception, a hang or a peer's death retrains no
 survives the process's own death (SIGKILL, a lost GPU) is taken only every `interval` calls, with `interval`
 the smallest that keeps the measured cost within `max_overhead` of the step:
 
-    cycle    = ceil(snapshot cost / (max_overhead * step - certify cost))
+    cycle    = ceil(snapshot cost / (AIM * max_overhead * step - certify cost))
     interval = max(2, cycle - steps a snapshot is in flight)         (at most MAX_INTERVAL)
 
 Counted from the previous snapshot's seal (CheckpointManager): a cycle is the steps a snapshot is in flight plus
@@ -23,7 +23,8 @@ checksum threads, the memory bandwidth they share - interact, and a model of the
   and process) is not counted;
 - certify cost: the device time of the fingerprint every save() computes, timed alone at a process's first
   calls (its host time hides behind the device's work in a GPU-bound step; its device time does not).
-All follow the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one
+AIM (0.8): the interval is set for four fifths of the budget, not all of it - the costs are medians of noisy
+steps, and a budget aimed at exactly is exceeded about half the time. All follow the job (a larger model, a slower step, a busy host). A snapshot still in flight when the next one
 is due is not waited for: that call only certifies (coalesced).
 
 What it bounds: a SIGKILL of a rank that has no surviving replica retrains at most `interval` + twice the steps
@@ -42,6 +43,8 @@ from typing import Any, Optional
 #: the interval never grows past this many steps, whatever the measured costs say
 MAX_INTERVAL = 64
 _ALPHA = 0.3   # weight of a new measurement in the running means
+#: the share of max_overhead the interval is set for (see the module doc)
+AIM = 0.8
 
 
 class OverheadBudget:
@@ -131,7 +134,7 @@ class OverheadBudget:
         step, cost = self.step_s, self.snapshot_s
         if self.max_overhead is None or step is None:
             return
-        room = self.max_overhead * step - (self.certify_s or 0.0)
+        room = AIM * self.max_overhead * step - (self.certify_s or 0.0)
         if room <= 0:                   # certifying alone spends the budget: known before any snapshot is costed
             self.interval = MAX_INTERVAL
             return

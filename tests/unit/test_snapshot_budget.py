@@ -51,13 +51,15 @@ def _budget(monkeypatch, clean: float, busy: list[float], in_flight: int, share:
 
 
 def test_the_interval_spreads_a_snapshots_measured_cost_within_the_budget(monkeypatch) -> None:
-    """Three steps beside a snapshot take 15 ms more than three without one: 1.5 % of... no - 2 % of a 0.1 s step
-    is 2 ms of room a step, so the cost is spread over 8 steps, 3 of which it was in flight: 5 more after it."""
+    """Three steps beside a snapshot take 15 ms more than three without one. The budget is aimed at four fifths of
+    2 % of a 0.1 s step: 1.6 ms of room a step, so the cost is spread over 10 steps, 3 of which it was in
+    flight: 7 more after it."""
+    assert snapshot_budget.AIM == 0.8
     b = _budget(monkeypatch, 0.100, [0.110, 0.105, 0.100], in_flight=3)
     assert abs(b.step_s - 0.100) < 1e-9 and abs(b.snapshot_s - 0.015) < 1e-9
-    assert b.interval == 8 - 3
-    # certifying every call takes 1 ms of the device: 1 ms of room left, 15 steps a cycle
-    assert _budget(monkeypatch, 0.100, [0.110, 0.105, 0.100], in_flight=3, certify_s=0.001).interval == 15 - 3
+    assert b.interval == 10 - 3
+    # certifying every call takes 1 ms of the device: 0.6 ms of room left, 25 steps a cycle
+    assert _budget(monkeypatch, 0.100, [0.110, 0.105, 0.100], in_flight=3, certify_s=0.001).interval == 25 - 3
     # certifying alone spends the budget: as seldom as allowed
     assert _budget(monkeypatch, 0.100, [0.110, 0.105, 0.100], in_flight=3, certify_s=0.003).interval == MAX_INTERVAL
     # a snapshot that costs nothing measurable: still a step without one after each (the baseline stays measured)
@@ -184,7 +186,7 @@ def test_a_seeded_budget_takes_only_sane_values_and_never_overrides_its_own(monk
     b = OverheadBudget(0.02)
     assert not b.seed({"snapshot_s": float("nan"), "step_s": -1.0, "certify_s": True})
     assert b.seed({"step_s": 0.1, "snapshot_s": 0.006, "mean_in_flight": 1.0})
-    assert b.interval == 2                       # 3 steps a cycle, 1 of them in flight
+    assert b.interval == 3                       # 4 steps a cycle (6 ms over 1.6 ms of room), 1 of them in flight
     assert b.export() == {"step_s": 0.1, "snapshot_s": 0.006, "mean_in_flight": 1.0}
     measured = _budget(monkeypatch, 0.100, [0.110, 0.105, 0.100], in_flight=3)
     assert not measured.seed({"step_s": 0.1, "snapshot_s": 0.5})   # measured already: kept
