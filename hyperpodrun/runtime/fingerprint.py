@@ -91,6 +91,7 @@ class Fingerprint:
                 stream.wait_event(source)
                 with torch.cuda.stream(stream):
                     if timed and device not in self._started:
+                        _hold_until_queued(device, stream)
                         self._started[device] = torch.cuda.Event(enable_timing=True)
                         self._started[device].record(stream)
                     self.values.extend(_group_print(ts, dtype))
@@ -149,6 +150,26 @@ class Fingerprint:
             if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.to(a.device)):
                 return False
         return True
+
+
+#: how long (in GPU clock cycles, ~10 ms) a timed fingerprint's stream is held before it starts (see below)
+_HOLD_CYCLES = 20_000_000
+
+
+def _hold_until_queued(device: Any, stream: Any) -> None:
+    """Make `stream` wait, on the device, about 10 ms - long enough for the host to queue every fingerprint
+    kernel behind it. Why, for a timed fingerprint only: a sampled one is some hundred small kernels, each
+    launched by the host; timed as they are launched, the gaps between them (the host's time, hidden behind
+    the training's queued work in a GPU-bound step) would count as device time, and the budget would think
+    certifying costs several times what it does."""
+    import torch
+    helper = torch.cuda.Stream(device=device)
+    helper.wait_stream(stream)
+    with torch.cuda.stream(helper):
+        torch.cuda._sleep(_HOLD_CYCLES)
+        gate = torch.cuda.Event()
+        gate.record(helper)
+    stream.wait_event(gate)
 
 
 def _layout(tensors: Sequence[Any]) -> list[tuple]:
