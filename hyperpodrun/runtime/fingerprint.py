@@ -40,7 +40,7 @@ state between a save and a restore should pass `CheckpointManager(reuse_live=Fal
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 #: GPU tensors of more elements than this are fingerprinted by a sample (see the module doc)
 SAMPLE_ABOVE = 1 << 20
@@ -71,7 +71,8 @@ class Fingerprint:
         self.layout: Optional[list[tuple]] = None
         self.events: dict[Any, Any] = {}        # device -> event recorded after its fingerprint kernels
         self.source_events: dict[Any, Any] = {}  # device -> event the fingerprint kernels waited for
-        self._started: dict[Any, Any] = {}      # device -> timing event recorded before its fingerprint kernels
+        #: device -> (start, end) timing events around each of its fingerprint's operations (when timed)
+        self._spans: dict[Any, list[tuple[Any, Any]]] = {}
         groups: dict[tuple, list[Any]] = {}
         for t in tensors:                       # per tensor: the training thread pays this at every save()
             local = t.to_local() if hasattr(t, "placements") else t
@@ -90,12 +91,9 @@ class Fingerprint:
                 self.source_events[device] = source
                 stream.wait_event(source)
                 with torch.cuda.stream(stream):
-                    if timed and device not in self._started:
-                        _hold_until_queued(device, stream)
-                        self._started[device] = torch.cuda.Event(enable_timing=True)
-                        self._started[device].record(stream)
-                    self.values.extend(_group_print(ts, dtype))
-                    event = torch.cuda.Event(enable_timing=timed)
+                    spans = self._spans.setdefault(device, []) if timed else None
+                    self.values.extend(_group_print(ts, dtype, spans))
+                    event = torch.cuda.Event()
                     event.record(stream)
                     self.events[device] = event
             else:
@@ -114,16 +112,17 @@ class Fingerprint:
             torch.cuda.current_stream(device).wait_event(event)
 
     def device_seconds(self) -> Optional[float]:
-        """The device time the fingerprint kernels took (the longest device's), once they are done; None while
+        """The device time the fingerprint's kernels took (the longest device's), once they are done; None while
         they run or without device tensors. What certifying a save() costs a GPU-bound step (its host time
-        hides behind the device's work)."""
+        hides behind the device's work). Summed over each operation's own span, not from the first to the last:
+        the host launches them one after another, and the gaps between them - its time, not the device's -
+        would count too (a sampled fingerprint is a few hundred small kernels)."""
         longest: Optional[float] = None
         try:
-            for device, start in self._started.items():
-                end = self.events[device]
-                if not end.query():
+            for spans in self._spans.values():
+                if not spans or not spans[-1][1].query():
                     return None
-                longest = max(longest or 0.0, start.elapsed_time(end) / 1e3)
+                longest = max(longest or 0.0, sum(start.elapsed_time(end) for start, end in spans) / 1e3)
         except Exception:      # a broken context, a stream that never ran: nothing to learn from it
             return None
         return longest
@@ -152,26 +151,6 @@ class Fingerprint:
         return True
 
 
-#: how long (in GPU clock cycles, ~10 ms) a timed fingerprint's stream is held before it starts (see below)
-_HOLD_CYCLES = 20_000_000
-
-
-def _hold_until_queued(device: Any, stream: Any) -> None:
-    """Make `stream` wait, on the device, about 10 ms - long enough for the host to queue every fingerprint
-    kernel behind it. Why, for a timed fingerprint only: a sampled one is some hundred small kernels, each
-    launched by the host; timed as they are launched, the gaps between them (the host's time, hidden behind
-    the training's queued work in a GPU-bound step) would count as device time, and the budget would think
-    certifying costs several times what it does."""
-    import torch
-    helper = torch.cuda.Stream(device=device)
-    helper.wait_stream(stream)
-    with torch.cuda.stream(helper):
-        torch.cuda._sleep(_HOLD_CYCLES)
-        gate = torch.cuda.Event()
-        gate.record(helper)
-    stream.wait_event(gate)
-
-
 def _layout(tensors: Sequence[Any]) -> list[tuple]:
     return [(tuple(_local(t).shape), _local(t).dtype, _local(t).device) for t in tensors]
 
@@ -189,21 +168,22 @@ def _words(t: Any) -> Any:
     return flat.view(torch.uint8)
 
 
-def _group_print(ts: list[Any], dtype: Any) -> list[Any]:
-    """The fingerprint of same-device, same-dtype tensors `ts` (in order): one or two tensors."""
+def _group_print(ts: list[Any], dtype: Any, spans: Optional[list] = None) -> list[Any]:
+    """The fingerprint of same-device, same-dtype tensors `ts` (in order): one or two tensors. `spans`: where
+    to add timing events around each device operation (None: not timed)."""
     import torch
     if ts and ts[0].device.type == "cpu" and dtype in _normed() + (torch.float64,):
         # on the host the float64 norms are a slow path (a cast of every tensor first: 0.7 s for 512 MiB);
         # exact sums of each tensor's words cost a read (25x faster) and see any change of any one word
         return [torch.stack([_words(t).sum(dtype=torch.int64) for t in ts])]   # int64 words: wraps, exactly
     if dtype in _normed() + (torch.float64,):
-        return _device_print(ts, dtype)
+        return _device_print(ts, dtype, spans)
     # integer, bool, float8, complex...: an exact copy of the bytes (such state is small: counters, masks)
     flat = [t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8) for t in ts]
-    return [torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)]
+    return [_timed(spans, lambda: torch.cat(flat)) if flat else torch.empty(0, dtype=torch.uint8)]
 
 
-def _device_print(ts: list[Any], dtype: Any) -> list[Any]:
+def _device_print(ts: list[Any], dtype: Any, spans: Optional[list] = None) -> list[Any]:
     """A GPU's floating-point tensors: the small ones' float64 norms, the large ones' sample (module doc)."""
     import torch
     full = [t for t in ts if t.numel() <= SAMPLE_ABOVE]
@@ -211,9 +191,22 @@ def _device_print(ts: list[Any], dtype: Any) -> list[Any]:
     out = []
     if full:
         wide = None if dtype == torch.float64 else torch.float64
-        out.append(torch.stack(torch._foreach_norm(full, 2, dtype=wide)))
+        out.append(_timed(spans, lambda: torch.stack(torch._foreach_norm(full, 2, dtype=wide))))
     if large:
-        out.append(_sample(large))
+        out.append(_timed(spans, lambda: _sample(large)))
+    return out
+
+
+def _timed(spans: Optional[list], op: Callable[[], Any]) -> Any:
+    """`op()`, with timing events recorded around it on the current stream when `spans` is a list."""
+    if spans is None:
+        return op()
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = op()
+    end.record()
+    spans.append((start, end))
     return out
 
 
@@ -221,12 +214,7 @@ def _sample(ts: list[Any]) -> Any:
     """One element in every STRIDE of each tensor's flattened values, as raw bits (compared exactly: a NaN
     that stays a NaN matches, unlike a float comparison)."""
     import torch
-    sizes = [(t.numel() + STRIDE - 1) // STRIDE for t in ts]
-    out = torch.empty(sum(sizes), dtype=ts[0].dtype, device=ts[0].device)
-    at = 0
-    for t, n in zip(ts, sizes):
-        out[at:at + n].copy_(t.reshape(-1)[::STRIDE])
-        at += n
+    out = torch.cat([t.reshape(-1)[::STRIDE] for t in ts])    # strided views: a batched copy where CUDA can
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(out.element_size())
     return out.view(bits) if bits is not None else out
 
