@@ -19,29 +19,31 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from hyperpodrun import auth, protocol as P, safe_fs, settings
-from hyperpodrun.agent import store_schema as K
-from hyperpodrun.agent import slot_base, stores
-from hyperpodrun.agent.agent_info import AgentInfo
-from hyperpodrun.agent.control import ControlServer, is_symptom, split_batch, symptom_grace
-from hyperpodrun.agent.coordination import Coordinator, Watcher
-from hyperpodrun.agent.events import EventLog
-from hyperpodrun.agent.gpu_health import GpuHealth
+from hyperpodrun import auth, protocol as P, safe_fs
+from hyperpodrun.launch import settings
+from hyperpodrun.agent.coordination import store_schema as K
+from hyperpodrun.agent.security import slot_base
+from hyperpodrun.agent.coordination import stores
+from hyperpodrun.agent.control.agent_info import AgentInfo
+from hyperpodrun.agent.control.server import ControlServer, is_symptom, split_batch, symptom_grace
+from hyperpodrun.agent.coordination.job_state import Coordinator, Watcher
+from hyperpodrun.agent.observe.events import EventLog
+from hyperpodrun.agent.health.gpu_health import GpuHealth
 from hyperpodrun.agent.hooks import run_hook
-from hyperpodrun.agent.inject import Injector
+from hyperpodrun.agent.control.inject import Injector
 from hyperpodrun.agent.inprocess import InProcess
 from hyperpodrun.agent.node import Node
 from hyperpodrun.agent.ports import KVStore, Posted, RendezvousInfo, SystemClock
-from hyperpodrun.agent.membership import Membership
-from hyperpodrun.agent.rendezvous import JobOver, RendezvousInterrupted, hostname, rendezvous
+from hyperpodrun.agent.coordination.membership import Membership
+from hyperpodrun.agent.coordination.rendezvous import JobOver, RendezvousInterrupted, hostname, rendezvous
 from hyperpodrun.agent.state import IllegalTransition
-from hyperpodrun.agent.supervisor import Reaper, Supervisor, become_subreaper
-from hyperpodrun.agent.tee import Tee
-from hyperpodrun.agent.warm_spawner import WarmSpawner
-from hyperpodrun.agent.workers import WorkerLauncher, standby_spawner
-from hyperpodrun.config import LaunchConfig, private_log_base, temp_log_base
+from hyperpodrun.agent.workers.supervisor import Reaper, Supervisor, become_subreaper
+from hyperpodrun.agent.workers.tee import Tee
+from hyperpodrun.agent.workers.warm_spawner import WarmSpawner
+from hyperpodrun.agent.workers.launch import WorkerLauncher, standby_spawner
+from hyperpodrun.launch.config import LaunchConfig, private_log_base, temp_log_base
 from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, FencedError, HyperpodrunError
-from hyperpodrun.runtime import shm_runs
+from hyperpodrun.state.slots import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -94,7 +96,7 @@ class Inbox:
 
 def remove_finished(run_id: str, shm_dir: Optional[str] = None) -> None:
     """Every local worker exited 0: their checkpointless snapshots are not needed any more (`shm_dir`: the
-    private one the workers were given, agent/slot_base.py)."""
+    private one the workers were given, agent/security/slot_base.py)."""
     shm_runs.remove_finished(shm_runs.checkpoint_base(shm_dir), run_id, os.getpid())
 
 
@@ -235,7 +237,7 @@ class Agent:
         node.attach(inproc=inproc, gpu=self.gpu,
                     injector=Injector(self.control, self.events, sup, self.gpu, inproc) if self.control else None)
         if self.gpu is not None:
-            self.gpu.start()    # NVML monitor thread (or one info line why not): agent/gpu_health.py
+            self.gpu.start()    # NVML monitor thread (or one info line why not): agent/health/gpu_health.py
         if self.control is not None and not node.done:
             AgentInfo(control=self.control.endpoint, pid=os.getpid(), host=self.host, node_rank=rdzv.node_rank,
                       rank_offset=rdzv.rank_offset, nproc_per_node=cfg.nproc_per_node).write(run_dir)
@@ -260,7 +262,7 @@ class Agent:
         self.watcher.start()
 
     def _start_membership(self) -> None:
-        """Several nodes: renew this node's lease and watch the others' (agent/membership.py), from the moment
+        """Several nodes: renew this node's lease and watch the others' (agent/coordination/membership.py), from the moment
         the node is built - before the pre-train script, which may take long."""
         rdzv, coord = self.rdzv, self.coord
         assert rdzv is not None and coord is not None

@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any, Optional
 
-from hyperpodrun.agent.reaper import kill_sessions, session_members
-from hyperpodrun.agent.supervisor import describe_exit, shell_code
+from hyperpodrun.agent.workers.reaper import kill_sessions, session_members
+from hyperpodrun.agent.workers.supervisor import describe_exit, shell_code
 
 log = logging.getLogger("hyperpodrun.agent")
 

@@ -14,17 +14,17 @@ import logging
 from typing import Mapping, Optional
 
 from hyperpodrun import protocol as P
-from hyperpodrun import settings
-from hyperpodrun.agent.elastic import Elastic
-from hyperpodrun.agent.intruders import is_roll_call_failure
+from hyperpodrun.launch import settings
+from hyperpodrun.agent.coordination.elastic import Elastic
+from hyperpodrun.agent.security.intruders import is_roll_call_failure
 from hyperpodrun.agent.ports import Clock, ControlSender, Coordination, Events, NodeOps, RendezvousInfo
 from hyperpodrun.agent.rankstate import (ABORTED, RankState, Round, StepGuard, first_to_kill, not_ready,
                                          progress_culprits, stuck_ranks)
 from hyperpodrun.agent.state import NodeState, Phase
-from hyperpodrun.agent.voices import Voices
-from hyperpodrun.agent.store_schema import FailureInfo, NodeJoin
-from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit, shell_code
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.agent.control.voices import Voices
+from hyperpodrun.agent.coordination.store_schema import FailureInfo, NodeJoin
+from hyperpodrun.agent.workers.supervisor import WorkerProcess, describe_exit, shell_code
+from hyperpodrun.launch.config import LaunchConfig
 from hyperpodrun.errors import EXIT_FENCED, EXIT_NODE_NOT_REPLACED, EXIT_STEP_KEEPS_FAILING
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -109,7 +109,7 @@ class InProcess:
         return st
 
     def admits(self, ident: bytes, msg: P._Msg) -> bool:
-        """Whether a message in a rank's name comes from that rank's process (agent/voices.py); the node drops
+        """Whether a message in a rank's name comes from that rank's process (agent/control/voices.py); the node drops
         one that does not before anything reads it."""
         st = self._sender(msg)
         return st is None or self.voices.admit(st, ident, msg)
@@ -176,7 +176,7 @@ class InProcess:
         if msg.generation < self.state.generation and self.round is None:
             return  # a late report from an older generation
         if is_roll_call_failure(info) and self.round is None and not self.ops.outsider(info):
-            return   # a process outside the job took a rank's place again: the job ends (agent/intruders.py)
+            return   # a process outside the job took a rank's place again: the job ends (agent/security/intruders.py)
         self.fault(info, failed=())
 
     # ------------------------------------------------------------------ faults

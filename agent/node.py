@@ -4,7 +4,7 @@ The agent's loop (agent/agent.py) gathers events - signals, helper-thread posts,
 messages, time - and hands each to a `Node` handler; the handler moves the phase through NodeState
 (agent/state.py) and carries out the effects (signal, spawn, publish, finish) at once, on the loop thread.
 The policies decide, the Node acts: the in-process round (agent/inprocess.py), process-level restarts
-(agent/restart_policy.py) and GPU health (agent/gpu_health.py) reach the node only through the NodeOps /
+(agent/restart_policy.py) and GPU health (agent/health/gpu_health.py) reach the node only through the NodeOps /
 GpuOps ports it implements. Phases and transitions: docs/ARCHITECTURE.md, "Node phases".
 """
 from __future__ import annotations
@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 from hyperpodrun import protocol as P
 from hyperpodrun.agent.ports import (Clock, Coordination, Events, Launcher, Posted, ProcessTable, RendezvousInfo,
                                      WorkerStoreHost)
-from hyperpodrun.agent.intruders import IntruderWatch
-from hyperpodrun.agent.report import failure_summary
+from hyperpodrun.agent.security.intruders import IntruderWatch
+from hyperpodrun.agent.observe.report import failure_summary
 from hyperpodrun.agent.restart_policy import ProcessRestart
 from hyperpodrun.agent.state import NodeState, Phase, StopPlan
-from hyperpodrun.agent.store_schema import FailureInfo, NodeLoss
-from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.agent.coordination.store_schema import FailureInfo, NodeLoss
+from hyperpodrun.agent.workers.supervisor import WorkerProcess, describe_exit
+from hyperpodrun.launch.config import LaunchConfig
 from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, EXIT_INTRUDER, EXIT_NODE_NOT_REPLACED
 
 if TYPE_CHECKING:
-    from hyperpodrun.agent.gpu_health import GpuHealth
-    from hyperpodrun.agent.inject import Injector
+    from hyperpodrun.agent.health.gpu_health import GpuHealth
+    from hyperpodrun.agent.control.inject import Injector
     from hyperpodrun.agent.inprocess import InProcess
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -141,7 +141,7 @@ class Node:
             self.events.emit("spare_waiting", f"hot spare {value[0]} on {value[1]} is waiting (not in the world "
                              "size); it takes over the next node that is lost", incarnation=value[0], spare_host=value[1])
 
-    # ------------------------------------------------------------------ membership (agent/membership.py)
+    # ------------------------------------------------------------------ membership (agent/coordination/membership.py)
     def _on_node_lost(self, node: int, incarnation: str, why: str) -> None:
         """Another node's lease stopped moving. In-process: the survivors' round goes on without it and waits
         for its replacement (--replace-timeout). Without an in-process round the job cannot take one: it ends."""
@@ -247,7 +247,7 @@ class Node:
                 self.injector.handle(ident, msg)
             return
         if self.inproc is not None and not self.inproc.admits(ident, msg):
-            return   # in a rank's name from another process (agent/voices.py): dropped, with an event
+            return   # in a rank's name from another process (agent/control/voices.py): dropped, with an event
         if self.gpu is not None and isinstance(msg, (P.Hello, P.Heartbeat)) and (msg.device_uuid or msg.pci_bus_id):
             self.gpu.on_report(msg.rank, msg.pid, msg.device_uuid, msg.pci_bus_id)
         if self.inproc is not None:
@@ -264,7 +264,7 @@ class Node:
     def tick(self) -> None:
         """Time-driven progress: overdue causes, the in-process round, stopping, waiting for a store, finishing."""
         now = self.clock.monotonic()
-        self.intruders.poll(now)   # foreign_connection events (agent/intruders.py)
+        self.intruders.poll(now)   # foreign_connection events (agent/security/intruders.py)
         self.restarts.tick(now)
         if self.inproc is not None and self.state.active:
             self.inproc.tick(now)
@@ -298,7 +298,7 @@ class Node:
 
     def outsider(self, info: FailureInfo) -> bool:
         """A rank's roll call failed in-process: True to retry the round (not counted), False when it recurred
-        and the job is ending with its message (agent/intruders.py)."""
+        and the job is ending with its message (agent/security/intruders.py)."""
         if self.restarts.roll_calls.retry(info):
             return True
         self.restarts.fail(self.restarts.roll_calls.final(info), EXIT_INTRUDER)

@@ -1,6 +1,6 @@
 """The agent's ports: the small interfaces its state machine talks through (docs/ARCHITECTURE.md, "Ports").
 
-Why: the node's decisions (agent/node.py, agent/inprocess.py, agent/restart_policy.py, agent/gpu_health.py)
+Why: the node's decisions (agent/node.py, agent/inprocess.py, agent/restart_policy.py, agent/health/gpu_health.py)
 must be testable without processes, sockets or a wall clock, and the next capabilities (dynamic membership,
 a coordinator off the training nodes, GPU standby workers, a metrics sink) plug in here without editing the
 core. Each port is a typing.Protocol; the production implementation is named next to it, the fakes live in
@@ -17,9 +17,9 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 from hyperpodrun import netaddr, protocol as P
-from hyperpodrun.agent.store_schema import FailureInfo, Layout, NodeLoss
-from hyperpodrun.agent.supervisor import WorkerProcess
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.agent.coordination.store_schema import FailureInfo, Layout, NodeLoss
+from hyperpodrun.agent.workers.supervisor import WorkerProcess
+from hyperpodrun.launch.config import LaunchConfig
 
 #: an event a helper thread posts to the loop: ("generation", int), ("failed", FailureInfo), ("store_lost", str),
 #: ("forged", str), ("output_dropped", str), ("gpu", GpuEvent)
@@ -47,7 +47,7 @@ class SystemClock:
 
 # ------------------------------------------------------------------ events
 class EventSink(Protocol):
-    """Where event records go (agent/events.py: the JSONL file, the console). A metrics exporter is one more
+    """Where event records go (agent/observe/events.py: the JSONL file, the console). A metrics exporter is one more
     sink added with EventLog.add_sink."""
 
     def write(self, record: Mapping[str, Any], level: int, message: str) -> None: ...
@@ -56,14 +56,14 @@ class EventSink(Protocol):
 
 
 class Events(Protocol):
-    """Recording events (agent/events.py, EventLog): `message` is the human line, `fields` the data."""
+    """Recording events (agent/observe/events.py, EventLog): `message` is the human line, `fields` the data."""
 
     def emit(self, event: str, message: str = "", *, level: int = ..., **fields: Any) -> dict[str, Any]: ...
 
 
 # ------------------------------------------------------------------ the control plane
 class ControlSender(Protocol):
-    """Sends one control message to a worker (agent/control.py, ControlServer). False: not delivered (the
+    """Sends one control message to a worker (agent/control/server.py, ControlServer). False: not delivered (the
     worker is not connected, or does not read its socket)."""
 
     def send(self, ident: Optional[bytes], msg: P._Msg) -> bool: ...
@@ -90,7 +90,7 @@ class KVStore(Protocol):
 
 
 class WorkerStoreHost(Protocol):
-    """The per-generation worker stores this agent serves (agent/stores.py, WorkerStores)."""
+    """The per-generation worker stores this agent serves (agent/coordination/stores.py, WorkerStores)."""
 
     def open(self, generation: int) -> int: ...
 
@@ -103,7 +103,7 @@ class RendezvousInfo:
     """The outcome of a rendezvous: who this node is and how to reach the shared pieces.
 
     nnodes, rank_offset, world_size and nodes describe the job's current layout: they change (`adopt`) when
-    an elastic job shrinks or grows (agent/layout.py); the rest is fixed for the agent's life."""
+    an elastic job shrinks or grows (agent/coordination/layout.py); the rest is fixed for the agent's life."""
 
     node_rank: int
     nnodes: int
@@ -118,7 +118,7 @@ class RendezvousInfo:
     bind_addr: str = netaddr.LOOPBACK       # where this agent's store servers listen (netaddr.py); "": none
     secret: bytes = b""                     # the job secret (auth.py); never handed to workers
     secret_warning: str = ""                # set when the secret was agreed through the store (one warning)
-    incarnation: str = ""                   # this agent's token as holder of its node rank (agent/membership.py)
+    incarnation: str = ""                   # this agent's token as holder of its node rank (agent/coordination/membership.py)
     replacing: Optional[NodeLoss] = None     # set when this agent took over a lost node's rank
     counts: dict[int, int] = field(default_factory=dict)   # node rank -> its workers, every node of the job now
     admitted: Optional[Layout] = None        # set when this agent joined an elastic job as a new node
@@ -144,7 +144,7 @@ class RendezvousInfo:
         return Layout(generation=generation, nodes=dict(self.counts), previous_world_size=self.previous_world_size)
 
     def adopt(self, layout: Layout) -> None:
-        """Run as `layout` says from now on (an elastic job shrank or grew: agent/layout.py)."""
+        """Run as `layout` says from now on (an elastic job shrank or grew: agent/coordination/layout.py)."""
         if layout.nodes == self.counts:
             return
         self.previous_world_size = self.world_size
@@ -156,7 +156,7 @@ class RendezvousInfo:
 
 
 class Rendezvous(Protocol):
-    """How the agents of a job meet (agent/rendezvous.py registers "local", "static" and "c10d"; a new
+    """How the agents of a job meet (agent/coordination/rendezvous.py registers "local", "static" and "c10d"; a new
     backend is one more registration). `stop_requested()` is polled while waiting, so a signal ends it."""
 
     def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo: ...
@@ -175,7 +175,7 @@ class RestartGrant:
 
 
 class Coordination(Protocol):
-    """Job-wide state shared by the agents (agent/coordination.py, Coordinator over the coordination store)."""
+    """Job-wide state shared by the agents (agent/coordination/job_state.py, Coordinator over the coordination store)."""
 
     def generation(self) -> int: ...
 
@@ -235,7 +235,7 @@ class SpawnRequest:
 
 
 class WorkerSource(Protocol):
-    """Where a worker process comes from (agent/sources.py): a cold spawn (a new interpreter), a warm fork
+    """Where a worker process comes from (agent/workers/sources.py): a cold spawn (a new interpreter), a warm fork
     (the zygote that has imported torch); GPU standby processes come next. `spawn` returns None when the
     source cannot serve this request now: the launcher then asks the next one."""
 
@@ -245,7 +245,7 @@ class WorkerSource(Protocol):
 
 
 class ProcessTable(Protocol):
-    """The node's worker processes (agent/supervisor.py, Supervisor): the live incarnation of each local rank."""
+    """The node's worker processes (agent/workers/supervisor.py, Supervisor): the live incarnation of each local rank."""
 
     workers: dict[int, WorkerProcess]
 
@@ -257,7 +257,7 @@ class ProcessTable(Protocol):
 
 
 class Launcher(Protocol):
-    """Turns the launch config into worker processes (agent/workers.py, WorkerLauncher)."""
+    """Turns the launch config into worker processes (agent/workers/launch.py, WorkerLauncher)."""
 
     def spawn(self, local_rank: int, generation: int, store_port: int, warm: bool = False) -> WorkerProcess: ...
 
@@ -302,7 +302,7 @@ class NodeOps(Protocol):
 
 
 class GpuOps(Protocol):
-    """The effects GPU health (agent/gpu_health.py) may ask for; carried out by the node on the loop thread."""
+    """The effects GPU health (agent/health/gpu_health.py) may ask for; carried out by the node on the loop thread."""
 
     @property
     def workers(self) -> Mapping[int, WorkerProcess]: ...

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from hyperpodrun import protocol as P
-from hyperpodrun.agent.store_schema import FailureInfo, Layout
+from hyperpodrun.agent.coordination.store_schema import FailureInfo, Layout
 
 
 #: a SIGABRT exit, as Popen and as a shell report it
@@ -35,7 +35,7 @@ class RankState:
     fault_gen: int = -1       # newest generation this process reported a FAULT in (it is recovering from it)
     stack: Optional[str] = None   # where its main thread was at its last heartbeat during a restart
     release_lost: bool = False    # its SHUTDOWN could not be delivered after it reported DONE: it was killed
-    voices: frozenset[bytes] = frozenset()   # the control identities of its HELLO (agent/voices.py)
+    voices: frozenset[bytes] = frozenset()   # the control identities of its HELLO (agent/control/voices.py)
 
     def spawned(self, pid: int, now: float) -> None:
         """A new process runs this rank: nothing it said before counts."""
@@ -82,7 +82,7 @@ class Round:
     folded: int = 0
     #: lost nodes whose replacement the round waits for: node rank -> the lost incarnation
     awaiting: dict[int, str] = field(default_factory=dict)
-    #: the elastic layout the round moves to, when the job's nodes change in it (agent/layout.py)
+    #: the elastic layout the round moves to, when the job's nodes change in it (agent/coordination/layout.py)
     layout: Optional[Layout] = None
     #: not the store host: a lost node was not replaced in time, and the store host decides whether to shrink
     shrink_wait: bool = False

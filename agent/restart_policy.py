@@ -1,9 +1,9 @@
 """Process-level restarts: which rank failed, whether the job-wide budget allows a restart, and what another
 node's restart or failure means here (docs/ARCHITECTURE.md, "Restart protocol").
 
-A failed worker exit goes through a CauseWindow (agent/report.py) so the restart names the rank that really
+A failed worker exit goes through a CauseWindow (agent/observe/report.py) so the restart names the rank that really
 failed, not one that saw its peer go. Then every worker of the job restarts while --max-restarts lasts
-(counted job-wide, agent/coordination.py), else the job ends with the cause's exit code. It holds no handle
+(counted job-wide, agent/coordination/job_state.py), else the job ends with the cause's exit code. It holds no handle
 on the agent: it reads NodeState and asks the node (the Stopper port) to stop its workers.
 """
 from __future__ import annotations
@@ -12,13 +12,13 @@ import logging
 import signal
 from typing import Optional, Protocol
 
-from hyperpodrun.agent.intruders import RollCallFailures, is_roll_call_failure
+from hyperpodrun.agent.security.intruders import RollCallFailures, is_roll_call_failure
 from hyperpodrun.agent.ports import Clock, Coordination, Events
-from hyperpodrun.agent.report import CauseWindow, exit_is_symptom, exit_text, failure_summary
+from hyperpodrun.agent.observe.report import CauseWindow, exit_is_symptom, exit_text, failure_summary
 from hyperpodrun.agent.state import NodeState, Phase, StopPlan
-from hyperpodrun.agent.store_schema import FailureInfo
-from hyperpodrun.agent.supervisor import WorkerProcess, describe_exit, shell_code
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.agent.coordination.store_schema import FailureInfo
+from hyperpodrun.agent.workers.supervisor import WorkerProcess, describe_exit, shell_code
+from hyperpodrun.launch.config import LaunchConfig
 from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_INTRUDER, EXIT_NO_USABLE_GPU, EXIT_RESTARTS_EXHAUSTED
 
 
@@ -43,7 +43,7 @@ class ProcessRestart:
         self.clock = clock
         self.stopper = stopper
         self.causes = CauseWindow(exit_grace_s)   # which rank failed first
-        self.roll_calls = RollCallFailures(events)   # outsiders in a worker group (agent/intruders.py)
+        self.roll_calls = RollCallFailures(events)   # outsiders in a worker group (agent/security/intruders.py)
 
     # ------------------------------------------------------------------ local failures
     def worker_failed(self, proc: WorkerProcess, code: int, error_file: Optional[str],

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.coordination.store_schema import FailureInfo
 from hyperpodrun.errors import HyperpodrunError
 
 

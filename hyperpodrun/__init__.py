@@ -18,7 +18,7 @@ _LAZY = {
     "CheckpointlessAbortManager": "hyperpodrun.runtime.abort",
     "CheckpointlessFinalizeCleanup": "hyperpodrun.runtime.abort",
     "AbortProcessGroups": "hyperpodrun.runtime.abort",
-    "CheckpointManager": "hyperpodrun.runtime.checkpoint",
+    "CheckpointManager": "hyperpodrun.state.checkpoint",
     "HyperpodrunError": "hyperpodrun.errors",
     "StateLostError": "hyperpodrun.errors",
     "CheckpointlessCallback": "hyperpodrun.runtime.lightning_callback",

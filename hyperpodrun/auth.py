@@ -12,14 +12,14 @@ Where the secret comes from (`job_secret`):
   user and root can read).
 - otherwise (several nodes, no secret) the agents agree on a random one through the coordination store, and
   the agent says once that the ports then trust whoever can reach that store.
-With several nodes the agents check at the rendezvous that they hold the same secret (agent/rendezvous.py,
+With several nodes the agents check at the rendezvous that they hold the same secret (agent/coordination/rendezvous.py,
 through an HMAC of the run id: the secret itself never goes through the store).
 
 The workers never see the job secret itself, only `derive(secret, "worker")` in `HYPERPODRUN_JOB_KEY`; keys
 for one purpose are derived from that (`derive(key, purpose)`), so a leaked key of one purpose does not
 authenticate another: the agents sign their store records with `derive(secret, "store")`
-(agent/coordination.py), the peer-copy connections authenticate with `derive(worker key, "peer-copy")`
-(runtime/peer_copy.py), and each connection's messages with the session key its handshake returns.
+(agent/coordination/job_state.py), the peer-copy connections authenticate with `derive(worker key, "peer-copy")`
+(state/restore/peer_copy.py), and each connection's messages with the session key its handshake returns.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ import stat
 import struct
 from typing import Mapping, Optional
 
-from hyperpodrun import settings
+from hyperpodrun.launch import settings
 from hyperpodrun.errors import AuthError, ConfigError
-from hyperpodrun.settings import MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV  # noqa: F401 (re-exported)
+from hyperpodrun.launch.settings import MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV  # noqa: F401 (re-exported)
 
 #: environment variable through which an agent hands the workers' key to its own children (hex)
 WORKER_KEY_ENV = "HYPERPODRUN_JOB_KEY"
@@ -65,7 +65,7 @@ def read_secret_file(path: str) -> bytes:
 
 
 def job_secret(secret_file: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
-    """The user's job secret (file first, then HYPERPODRUN_JOB_SECRET, read by hyperpodrun/settings.py), or
+    """The user's job secret (file first, then HYPERPODRUN_JOB_SECRET, read by hyperpodrun/launch/settings.py), or
     None when none was given. `environ`: read the variable from there instead of this process's settings."""
     if secret_file:
         return read_secret_file(secret_file)

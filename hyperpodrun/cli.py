@@ -12,9 +12,10 @@ from typing import Any, Optional
 
 import click
 
-from hyperpodrun import __version__, settings
+from hyperpodrun import __version__
+from hyperpodrun.launch import settings
 from hyperpodrun.errors import EXIT_USAGE, ConfigError
-from hyperpodrun.flags import UNSUPPORTED, build_config
+from hyperpodrun.launch.flags import UNSUPPORTED, build_config
 
 SUBCOMMANDS = ("logs", "inject")
 
@@ -155,7 +156,7 @@ def launch(training_script: str, training_script_args: tuple[str, ...], **opts: 
     try:
         settings.use(settings.load())
         cfg = build_config(opts, training_script, training_script_args, _env_sources(click.get_current_context()))
-    except ConfigError as exc:   # every check is LaunchConfig's (hyperpodrun/config.py): print its one line
+    except ConfigError as exc:   # every check is LaunchConfig's (hyperpodrun/launch/config.py): print its one line
         raise click.UsageError(str(exc)) from None
     _setup_logging()
     _import_torch_quietly()
@@ -194,9 +195,9 @@ _CLOSED_STD_FDS: list[int] = []
 
 
 def _setup_logging() -> None:
-    """The agent's log lines go to stderr through a writer thread (agent/tee.py, ConsoleLogHandler): a stderr
+    """The agent's log lines go to stderr through a writer thread (agent/workers/tee.py, ConsoleLogHandler): a stderr
     that nobody reads drops lines instead of freezing the agent's supervision loop in a log call."""
-    from hyperpodrun.agent.tee import ConsoleLogHandler
+    from hyperpodrun.agent.workers.tee import ConsoleLogHandler
     try:
         fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is an OSError

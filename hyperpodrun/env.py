@@ -120,7 +120,7 @@ LOOPBACK_IFNAME = "lo"
 
 def keep_on_loopback(env: dict[str, str]) -> list[str]:
     """Set each of LOOPBACK_IFNAME_VARS the user left unset to the loopback interface; a value the user set
-    is kept. Returns the names it set (a single-node job's workers: agent/workers.py)."""
+    is kept. Returns the names it set (a single-node job's workers: agent/workers/launch.py)."""
     added = [name for name in LOOPBACK_IFNAME_VARS if not env.get(name)]
     for name in added:
         env[name] = LOOPBACK_IFNAME
@@ -140,7 +140,7 @@ def hand_down_hook(env: dict[str, str]) -> None:
     """Put BOOT_DIR first on the workers' PYTHONPATH, so that every worker - a plain script, Lightning, Hugging
     Face - holds the roll call when it forms its default process group (hyperpodrun/runtime/group_hook.py);
     the user's PYTHONPATH and sitecustomize still apply. Not with HYPERPODRUN_ROLL_CALL=0."""
-    from hyperpodrun import settings
+    from hyperpodrun.launch import settings
     if not settings.read("roll_call", env):
         return
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR]

@@ -7,7 +7,7 @@ error derives from that one too: a bad argument is also a `ValueError`, a state 
 `OSError` with errno ENOSPC, and so on. Each message names what went wrong and what to change.
 
 The classes live here, in one module that imports nothing heavy; the modules that raise them re-export the
-names users already import from there (`hyperpodrun.StateLostError`, `hyperpodrun.runtime.checkpoint.
+names users already import from there (`hyperpodrun.StateLostError`, `hyperpodrun.state.checkpoint.
 StateLostError`, `hyperpodrun.data.CacheFullError`, `hyperpodrun.auth.AuthError`, ...).
 
 Not errors and deliberately outside the hierarchy: `RestartInterrupt` (a BaseException that unwinds the
@@ -50,7 +50,7 @@ class ConfigError(HyperpodrunError):
     """A flag or environment value is invalid; the message names it and the fix.
 
     Deliberately not a ValueError: raised inside a LaunchConfig validator it passes through pydantic as it
-    is, so the CLI prints exactly its message (hyperpodrun/config.py)."""
+    is, so the CLI prints exactly its message (hyperpodrun/launch/config.py)."""
 
 
 class RendezvousError(HyperpodrunError):
@@ -68,7 +68,7 @@ class WorkerSpawnError(HyperpodrunError):
 
 class ProtocolError(HyperpodrunError, ValueError):
     """A control-plane frame that is not a valid message (hyperpodrun/protocol.py; it is dropped), or a peer's
-    restore inventory that is not one (runtime/restore_plan.py)."""
+    restore inventory that is not one (state/restore/restore_plan.py)."""
 
 
 class AuthError(HyperpodrunError):
@@ -150,7 +150,7 @@ class SnapshotCorrupt(HyperpodrunError, ValueError):
 
 class CodecError(HyperpodrunError, ValueError):
     """Encoded metadata is malformed or names something this process does not allow
-    (hyperpodrun/runtime/safe_codec.py)."""
+    (hyperpodrun/state/codec/safe_codec.py)."""
 
 
 class UnsupportedStateError(HyperpodrunError, TypeError):

@@ -5,7 +5,7 @@ Why: on one node the workers' store and their gloo listeners are on loopback, wh
 but not other users of the same host. Every user can read these tables, and so can we: the table lists both
 ends of a loopback connection, the client's end with the client's uid. A connection to one of our ports
 whose client end belongs to another uid is a process outside the job (the job's processes all run as one
-uid). The agent watches for them (agent/intruders.py) and a rank that failed its roll call names the uid it
+uid). The agent watches for them (agent/security/intruders.py) and a rank that failed its roll call names the uid it
 finds here (runtime/roll_call.py). A client on another host is not in our tables: its uid stays unknown.
 
 Nothing here needs privileges and nothing raises on an unreadable or malformed table: it answers "none".

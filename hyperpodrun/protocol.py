@@ -175,7 +175,7 @@ def worker_identity(channel: str, rank: int, pid: int) -> bytes:
 
 def sibling_identities(ident: bytes) -> frozenset[bytes]:
     """The identities of one worker's two control sockets, given one of them (the agent binds a rank to the
-    pair its HELLO came from: agent/voices.py); an identity of another form stands for itself alone."""
+    pair its HELLO came from: agent/control/voices.py); an identity of another form stands for itself alone."""
     head, tail = ident[:1], ident[1:]
     if head == MONITOR_CHANNEL.encode():
         return frozenset((ident, MAIN_CHANNEL.encode() + tail))

@@ -13,7 +13,7 @@ from typing import Optional
 import click
 
 from hyperpodrun import trusted_read as T
-from hyperpodrun.config import default_log_dir, temp_log_base
+from hyperpodrun.launch.config import default_log_dir, temp_log_base
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -70,7 +70,7 @@ def _rank_files(run: str, rank: Optional[int]) -> list[str]:
 
 
 def _render_events(run: str) -> list[tuple[float, str]]:
-    from hyperpodrun.agent.events import format_event
+    from hyperpodrun.agent.observe.events import format_event
     return [(rec["ts"], T.printable(format_event(rec))) for rec in T.read_events(run)]
 
 
@@ -176,7 +176,7 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
         raise click.UsageError("--kind nvml-xid needs --xid N (e.g. --xid 79: GPU fallen off the bus)")
     if kind != "nvml-xid" and xid is not None:
         raise click.UsageError("--xid only goes with --kind nvml-xid")
-    from hyperpodrun.agent.agent_info import AgentInfo
+    from hyperpodrun.agent.control.agent_info import AgentInfo
     run = resolve_run(log_dir)
     target = None
     for path in sorted(glob.glob(os.path.join(run, "node*.agent.json"))):

@@ -154,7 +154,7 @@ def test_corrupt_snapshot_is_detected_and_never_used(tmp_path, monkeypatch):
     with torch.no_grad():
         model.weight.add_(1.0)
     cm.save(2, {"model": model, "opt": opt})
-    from hyperpodrun.runtime import snapshot_io
+    from hyperpodrun.state.slots import snapshot_io
     slot = next(p for p in (os.path.join(cm.slot_dir(), f"slot{i}") for i in (0, 1))
                 if snapshot_io.header(open(p, "rb").read(), p)[0] == 2)
     data = bytearray(open(slot, "rb").read())
@@ -386,7 +386,7 @@ def test_plain_values_come_back_as_independent_copies(tmp_path, monkeypatch):
 
 def test_replica_layout_is_validated():
     from hyperpodrun import CheckpointManager
-    from hyperpodrun.runtime.replicas import ReplicaLayoutError, instance_groups, validate_groups
+    from hyperpodrun.state.restore.replicas import ReplicaLayoutError, instance_groups, validate_groups
     assert instance_groups(8, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ReplicaLayoutError, match="does not divide"):
         instance_groups(6, 4)
@@ -497,7 +497,9 @@ def test_after_a_restore_to_an_older_step_the_abandoned_newer_slot_goes_first(tm
     fault comes before every rank has sealed the new step 5, no step is held by every rank: StateLostError,
     seen with FSDP2 under load), and no later restore may plan with the old step 5."""
     from hyperpodrun import CheckpointManager
-    from hyperpodrun.runtime import checkpoint, restore_plan, snapshot_io
+    from hyperpodrun.state import checkpoint
+    from hyperpodrun.state.restore import restore_plan
+    from hyperpodrun.state.slots import snapshot_io
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abandoned-test")
     monkeypatch.setenv("RANK", "0")
     torch.manual_seed(0)

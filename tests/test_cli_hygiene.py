@@ -81,7 +81,7 @@ def test_numeric_environment_default_out_of_bounds_names_the_variable(launcher, 
 def test_launch_config_owns_the_bounds():
     from pydantic import ValidationError
 
-    from hyperpodrun.config import LaunchConfig, describe_validation_error
+    from hyperpodrun.launch.config import LaunchConfig, describe_validation_error
     for field, value in [("shutdown_timeout", float("inf")), ("inprocess_timeout", float("nan")),
                          ("nproc_per_node", 10 ** 20), ("max_restarts", 10 ** 7), ("join_timeout", 1e400),
                          ("monitor_interval", 0.0)]:
@@ -171,7 +171,7 @@ def test_bad_setting_is_one_line(launcher, ok_script, env, needles):
 def test_settings_parse():
     import logging
 
-    from hyperpodrun import settings
+    from hyperpodrun.launch import settings
     s = settings.load({"HYPERPODRUN_LOG_LEVEL": "debug", "HYPERPODRUN_WARM_RESPAWN": "off",
                        "HYPERPODRUN_WARM_IMPORTS": "torch, lightning.pytorch", "HYPERPODRUN_EXIT_GRACE_S": "0"})
     assert (s.log_level, s.warm_respawn, s.warm_imports, s.exit_grace_s) == \
@@ -365,7 +365,7 @@ FAILS_WHILE_CHATTY = """
 def test_blocked_stdout_and_stderr_do_not_stop_supervision(tmp_path, out_dir):
     """hyperpodrun's stdout and stderr are pipes that nobody reads, and the workers fill both: the agent still
     sees rank 1 fail, stops rank 0 and exits with rank 1's code within a deadline. (Its own log lines go to
-    the blocked stderr too: they must not stop its loop - agent/tee.py, ConsoleLogHandler.)"""
+    the blocked stderr too: they must not stop its loop - agent/workers/tee.py, ConsoleLogHandler.)"""
     path = write_script(tmp_path, "fails.py", FAILS_WHILE_CHATTY)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "HYPERPODRUN_", "TORCHELASTIC_"))}
     out_r, out_w = os.pipe()
@@ -411,7 +411,7 @@ def test_closed_std_fd_does_not_fail_the_job(launcher, tmp_path, out_dir, closed
 def test_tee_release_of_a_finished_stream_leaves_a_new_one_on_the_same_fd(tmp_path):
     """Unit: a stream that ended (EOF) and a new pipe that got the same fd number: releasing the old stream's
     key must not close the new one (its worker would get EPIPE)."""
-    from hyperpodrun.agent import tee as T
+    from hyperpodrun.agent.workers import tee as T
     con_r, con_w = os.pipe()
     tee = T.Tee()
     try:
@@ -445,7 +445,7 @@ def test_tee_release_of_a_finished_stream_leaves_a_new_one_on_the_same_fd(tmp_pa
 
 def test_tee_drops_console_output_when_the_queue_is_full():
     """Unit: the console queue is bounded; overflow is dropped with one report, the pump never blocks."""
-    from hyperpodrun.agent import tee as T
+    from hyperpodrun.agent.workers import tee as T
     problems: list[str] = []
     r, w = os.pipe()   # a console nobody reads: its writer thread blocks once the pipe is full
     try:
@@ -500,7 +500,7 @@ def test_store_error_in_the_agent_loop_is_one_line(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     from hyperpodrun.agent.agent import Agent
-    from hyperpodrun.config import LaunchConfig
+    from hyperpodrun.launch.config import LaunchConfig
     agent = Agent(LaunchConfig(entrypoint="x.py", log_dir=str(tmp_path)))
 
     def lost() -> int:

@@ -8,7 +8,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import os, socket, torch, torch.distributed as dist, torch.nn as nn
-    from hyperpodrun.runtime.ddp_layout import LayoutKeeper
+    from hyperpodrun.state.ddp_layout import LayoutKeeper
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.manual_seed(0)

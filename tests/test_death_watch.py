@@ -1,4 +1,4 @@
-"""A worker is declared dead when its death begins, not when its teardown ends (agent/death_watch.py).
+"""A worker is declared dead when its death begins, not when its teardown ends (agent/workers/death_watch.py).
 
 A GPU worker's teardown (unmapping pinned memory, the driver destroying its CUDA context) takes 0.5-1 s
 before the kernel reports the exit. Here the teardown is held as long as the test likes (tests/dying.py:
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dying import HeldDeath
-from hyperpodrun.agent.supervisor import Reaper, Supervisor
+from hyperpodrun.agent.workers.supervisor import Reaper, Supervisor
 from test_checkpoint import WORKER, assert_same, events, launch, reference  # noqa: F401 (fixture)
 from test_standby import STANDBY, wait_for
 

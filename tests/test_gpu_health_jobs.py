@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hyperpodrun.agent.nvml_backend import probe_nvml
+from hyperpodrun.agent.health.nvml_backend import probe_nvml
 from conftest import HYPERPODRUN, read_events, script
 from inprocess_helpers import FAST, Job, assert_only_replaced, events_named, pids, records
 from hyperpodrun.errors import EXIT_NO_USABLE_GPU, EXIT_USAGE, EXIT_WORKER_UNHEALTHY

@@ -11,13 +11,13 @@ from typing import Any, Optional
 
 import pytest
 
-from hyperpodrun.agent import gpu_health as gh
-from hyperpodrun.agent.gpu_map import (DeviceInfo, fallback_inventory, initial_assignment, match_report, normalize_pci, spares,
+from hyperpodrun.agent.health import gpu_health as gh
+from hyperpodrun.agent.health.gpu_map import (DeviceInfo, fallback_inventory, initial_assignment, match_report, normalize_pci, spares,
                            visible_devices, visible_devices_for)
-from hyperpodrun.agent.nvml_backend import DeviceQueryError, NvmlUnavailable, PynvmlBackend, load_nvml, probe_nvml
-from hyperpodrun.agent.nvml_monitor import NvmlMonitor
+from hyperpodrun.agent.health.nvml_backend import DeviceQueryError, NvmlUnavailable, PynvmlBackend, load_nvml, probe_nvml
+from hyperpodrun.agent.health.nvml_monitor import NvmlMonitor
 from hyperpodrun.agent.state import NodeState, Phase
-from hyperpodrun.agent.xid import GPU, INFO, RANK, WARN, GpuEvent, classify, classify_xid
+from hyperpodrun.agent.health.xid import GPU, INFO, RANK, WARN, GpuEvent, classify, classify_xid
 from conftest import wait_until
 from hyperpodrun.errors import EXIT_NO_USABLE_GPU
 from hyperpodrun.runtime.health import CudaHealthCheck, HealthCheckError

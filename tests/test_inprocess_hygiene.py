@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from conftest import script
 from inprocess_helpers import FAST, Job, events_named
 from hyperpodrun.agent.rankstate import RankState, not_ready
-from hyperpodrun.agent.report import teardown_abort_hint
+from hyperpodrun.agent.observe.report import teardown_abort_hint
 from hyperpodrun.errors import EXIT_RESTARTS_EXHAUSTED
 
 HYGIENE = script("hygiene_worker.py")

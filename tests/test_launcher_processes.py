@@ -314,8 +314,8 @@ def test_a_lone_symptom_is_still_the_cause_after_the_grace(launcher, tmp_path, o
 
 def test_cause_window_prefers_the_first_real_failure():
     """Unit: a symptom waits for a real failure (which ends the wait at once), else it is the cause."""
-    from hyperpodrun.agent.report import CauseWindow, exit_is_symptom
-    from hyperpodrun.agent.store_schema import FailureInfo as F
+    from hyperpodrun.agent.observe.report import CauseWindow, exit_is_symptom
+    from hyperpodrun.agent.coordination.store_schema import FailureInfo as F
     window = CauseWindow(2.0)
     assert window.add(F(rank=0, cause="SIGABRT (6)", symptom=True), now=0.0) is None and window.open
     assert window.due(1.9) is None

@@ -21,12 +21,12 @@ import pytest
 from conftest import free_port, read_events, wait_until, write_script
 from proc_sockets import LISTEN, tcp_sockets
 from hyperpodrun import auth, safe_fs
-from hyperpodrun.agent.coordination import Coordinator, SignedRecords
-from hyperpodrun.agent.events import EventLog
-from hyperpodrun.agent.rendezvous import agree_secret
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.coordination.job_state import Coordinator, SignedRecords
+from hyperpodrun.agent.observe.events import EventLog
+from hyperpodrun.agent.coordination.rendezvous import agree_secret
+from hyperpodrun.agent.coordination.store_schema import FailureInfo
 from hyperpodrun.errors import RendezvousError
-from hyperpodrun.runtime.peer_copy import PeerCopies
+from hyperpodrun.state.restore.peer_copy import PeerCopies
 
 IS_ROOT = os.geteuid() == 0
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable

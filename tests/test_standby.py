@@ -1,4 +1,4 @@
-"""Standby workers (--standby-workers, agent/standby.py) with real jobs: 4 ranks of DDP on gloo under
+"""Standby workers (--standby-workers, agent/workers/standby.py) with real jobs: 4 ranks of DDP on gloo under
 --inprocess-restart. A rank that dies is replaced by its slot's standby and the job ends bitwise equal to
 the fault-free run; a standby that dies is replaced; standbys are never ranks; none outlives the agent."""
 from __future__ import annotations

@@ -30,8 +30,9 @@ from hyperpodrun import CacheResumeMMAPConfig, CheckpointManager, MMAPDataLoader
 from hyperpodrun.data import loader as loader_mod
 from hyperpodrun.data import storage
 from hyperpodrun.data.errors import CacheCorruptError
-from hyperpodrun.runtime import shm_runs, snapshot_io
-from hyperpodrun.runtime.safe_codec import UnsupportedStateError
+from hyperpodrun.state.slots import shm_runs
+from hyperpodrun.state.slots import snapshot_io
+from hyperpodrun.state.codec.safe_codec import UnsupportedStateError
 from hyperpodrun.safe_fs import UnsafePathError
 
 ATTACKER = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -161,7 +162,7 @@ def test_checksum_is_always_on_and_a_bad_or_missing_one_is_never_restored(env):
     cm.save(1, {"t": t})
     cm.save(2, {"t": t + 2})
     cm.save(3, {"t": t + 3})          # the slots alternate: one holds step 3, the other step 2
-    from hyperpodrun.runtime import snapshot_io
+    from hyperpodrun.state.slots import snapshot_io
     holding = {snapshot_io.header(open(p, "rb").read(), p)[0]: p
                for p in (os.path.join(cm.slot_dir(), f"slot{i}") for i in (0, 1))}
     data = bytearray(open(holding[3], "rb").read())
@@ -207,7 +208,7 @@ def test_mmap_batch_with_pickle_meta_is_refused(tmp_path):
 
 
 def test_chunk_sums_match_zlib_whatever_order_the_copy_fills_the_region():
-    from hyperpodrun.runtime.slot_checksum import ChunkSums
+    from hyperpodrun.state.slots.slot_checksum import ChunkSums
     data = memoryview(bytearray(os.urandom(10_000)))
     want = [zlib.crc32(data[8 + i:8 + min(i + 1024, 8992)]) for i in range(0, 8992, 1024)]
     for threads in (1, 4):
@@ -225,7 +226,7 @@ def test_chunk_sums_match_zlib_whatever_order_the_copy_fills_the_region():
 
 def test_malformed_metadata_only_ever_raises_codec_error():
     """Random damage to encoded metadata: every outcome is a value or CodecError (no other exception)."""
-    from hyperpodrun.runtime import safe_codec
+    from hyperpodrun.state.codec import safe_codec
     blob = safe_codec.dumps({"rng": random.getstate(), "np": np.random.get_state(), "p": Pair(1, [2.5, "x"]),
                              "e": Phase.MAIN, "t": (1 << 70, b"b", {1}), "s": torch.Size([3])})
     rng = random.Random(0)
@@ -414,14 +415,14 @@ def test_a_fresh_start_refuses_state_this_rank_already_trained(env, monkeypatch)
     simply start over; objects this rank already trained (built outside it) cannot be rewound: exit 75 with a
     message that says what to do, never a silent mix of trained and fresh state."""
     import types
-    from hyperpodrun.runtime import checkpoint as ckpt
+    from hyperpodrun.state import checkpoint as ckpt
     from hyperpodrun.errors import StateLostError
     cm = CheckpointManager(shm_dir=str(env))
     cm.attach(types.SimpleNamespace(iteration=0, store=None), None)
     model = torch.nn.Linear(4, 4)
     cm.save(1, {"model": model})
     other = {"shm": [], "disk": [], "latest": None, "copies": {}, "never_committed": True, "live": None, "at": None}
-    from hyperpodrun.runtime.restore_inventory import Gathered
+    from hyperpodrun.state.restore.restore_inventory import Gathered
     monkeypatch.setattr(ckpt, "gather", lambda mine, channel: Gathered([mine, other], {}))
     with pytest.raises(StateLostError, match=r"\['model'\] are the objects this rank already trained"):
         cm.restore({"model": model})

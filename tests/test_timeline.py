@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import SCRIPTS
 from hyperpodrun import timeline
-from hyperpodrun.agent.events import event_files
+from hyperpodrun.agent.observe.events import event_files
 
 HYPERPODRUN = os.path.join(os.path.dirname(sys.executable), "hyperpodrun")
 

@@ -6,7 +6,7 @@
         <loader name>.rank<r>/ or <name>.share-<key>/   one group per producer (see group.py)
 
 Ownership, staleness and the alive lock are those of every hyperpodrun run directory in shared memory
-(hyperpodrun.runtime.shm_runs): the owner is the process whose life bounds the run on this node (the
+(hyperpodrun.state.slots.shm_runs): the owner is the process whose life bounds the run on this node (the
 hyperpodrun agent, torchrun's agent, or the process itself); a run directory is stale when its owner is
 gone and no process holds its alive.lock, and stale directories are removed when a run first opens the
 cache. `cache_dir` and everything below it are created 0700 and must be this user's alone: a cache_dir
@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import os
 
-from hyperpodrun.runtime import shm_runs
-from hyperpodrun.runtime.shm_runs import RunDir, owner_pid, run_dir_name, run_id, start_time
+from hyperpodrun.state.slots import shm_runs
+from hyperpodrun.state.slots.shm_runs import RunDir, owner_pid, run_dir_name, run_id, start_time
 
 log = logging.getLogger("hyperpodrun.data")
 

@@ -36,8 +36,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hyperpodrun.runtime import safe_codec
-from hyperpodrun.runtime.safe_codec import CodecError, TensorRef, UnsupportedStateError
+from hyperpodrun.state.codec import safe_codec
+from hyperpodrun.state.codec.safe_codec import CodecError, TensorRef, UnsupportedStateError
 from hyperpodrun.data.errors import CacheCorruptError
 
 MAGIC = b"HPRMMAP2"

@@ -237,7 +237,7 @@ class CheckpointlessTrainerCallback(TrainerCallback):
     """
 
     def __init__(self, checkpoint_manager: Any, save_every: int = 1) -> None:
-        from hyperpodrun.runtime.checkpoint import CheckpointManager
+        from hyperpodrun.state.checkpoint import CheckpointManager
         if not isinstance(checkpoint_manager, CheckpointManager):
             raise ApiTypeError(f"CheckpointlessTrainerCallback(checkpoint_manager={type(checkpoint_manager).__name__})"
                                ": needs the CheckpointManager given to HPWrapper(checkpoint_manager=...)")
@@ -262,7 +262,7 @@ class CheckpointlessTrainerCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from hyperpodrun.runtime.state_dicts import rng_state
+        from hyperpodrun.state.state_dicts import rng_state
         _refuse_early_group()          # also when the callback itself was built before the wrapped function
         trainer = _find_trainer(self)
         _check_internals(trainer)
@@ -373,7 +373,7 @@ class CheckpointlessTrainerCallback(TrainerCallback):
 
     def _load_rng(self, original: Callable[..., Any], checkpoint: Any, *a: Any, **kw: Any) -> Any:
         if checkpoint is _MEMORY:
-            from hyperpodrun.runtime.state_dicts import set_rng_state
+            from hyperpodrun.state.state_dicts import set_rng_state
             if self._rng is not None:
                 set_rng_state(self._rng)
             return None

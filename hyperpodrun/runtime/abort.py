@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from hyperpodrun import settings
+from hyperpodrun.launch import settings
 
 log = logging.getLogger("hyperpodrun.runtime")
 

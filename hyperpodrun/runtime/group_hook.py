@@ -35,7 +35,7 @@ _MARK = "__hyperpodrun_roll_call__"
 
 
 def _enabled() -> bool:
-    from hyperpodrun import settings
+    from hyperpodrun.launch import settings
     return bool(settings.current().roll_call)
 
 

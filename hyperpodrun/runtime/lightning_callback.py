@@ -129,7 +129,7 @@ class CheckpointlessCallback:
         return object.__new__(cls)
 
     def __init__(self, checkpoint_manager: Any, save_every: int = 1) -> None:
-        from hyperpodrun.runtime.checkpoint import CheckpointManager
+        from hyperpodrun.state.checkpoint import CheckpointManager
         if not isinstance(checkpoint_manager, CheckpointManager):
             raise ApiTypeError(f"CheckpointlessCallback(checkpoint_manager={type(checkpoint_manager).__name__}): "
                                "needs the CheckpointManager given to HPWrapper(checkpoint_manager=...)")
@@ -169,7 +169,7 @@ class CheckpointlessCallback:
         return generation if isinstance(generation, int) else 0
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from hyperpodrun.runtime.state_dicts import rng_state, set_rng_state
+        from hyperpodrun.state.state_dicts import rng_state, set_rng_state
         unsynced, self._unsynced = self._unsynced, None
         if unsynced is not None:
             unsynced.pop("init_sync", None)        # the strategy's arguments as the script gave them
@@ -191,7 +191,7 @@ class CheckpointlessCallback:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._rng is not None:
-            from hyperpodrun.runtime.state_dicts import set_rng_state
+            from hyperpodrun.state.state_dicts import set_rng_state
             set_rng_state(self._rng)
             self._rng = None
 

@@ -13,7 +13,7 @@ the uid /proc/net/tcp shows connected to the job's ports (hyperpodrun/netwatch.p
 round on a fresh store.
 
 Only fixed-size bytes cross the network (32 per rank); nothing read from it is decoded beyond a compare.
-HYPERPODRUN_ROLL_CALL=0 turns it off (hyperpodrun/settings.py). Outside hyperpodrun (no workers' key) it does
+HYPERPODRUN_ROLL_CALL=0 turns it off (hyperpodrun/launch/settings.py). Outside hyperpodrun (no workers' key) it does
 nothing. The cost: one 32-byte all-gather (scripts/bench/roll_call_bench.py).
 """
 from __future__ import annotations

@@ -143,7 +143,7 @@ def freeze_before_training() -> None:
     if _frozen:
         return
     _frozen = True
-    from hyperpodrun import settings
+    from hyperpodrun.launch import settings
     if settings.current().gc_freeze:
         gc.freeze()
 

@@ -35,7 +35,7 @@ from hyperpodrun.runtime import group_hook
 from hyperpodrun.runtime.health import CudaHealthCheck
 from hyperpodrun.runtime.interrupt import RestartInterrupt
 from hyperpodrun.runtime.session import Session
-from hyperpodrun.runtime.state_dicts import rng_state, set_rng_state
+from hyperpodrun.state.state_dicts import rng_state, set_rng_state
 from hyperpodrun.runtime.torch_state import (_device_ids, _drop_frames, _exit_without_last_collection,
                                              _preload_torch_modules, _reset_torch_group_counter, _warn_existing_group,
                                              freeze_before_training)

@@ -21,7 +21,8 @@ import time
 import torch
 
 from hyperpodrun import CheckpointManager
-from hyperpodrun.runtime import slot_checksum, snapshot_io
+from hyperpodrun.state.slots import slot_checksum
+from hyperpodrun.state.slots import snapshot_io
 
 
 class NoSums:

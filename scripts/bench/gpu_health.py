@@ -42,8 +42,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]   # hyperpodrun itself: installed, or from gpu_env.sh's PYTHONPATH
 
 from _common import find_launcher  # noqa: E402
-from hyperpodrun.agent.nvml_backend import load_nvml  # noqa: E402
-from hyperpodrun.agent.nvml_monitor import NvmlMonitor  # noqa: E402
+from hyperpodrun.agent.health.nvml_backend import load_nvml  # noqa: E402
+from hyperpodrun.agent.health.nvml_monitor import NvmlMonitor  # noqa: E402
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "bench-out")).resolve()
 WORKER = HERE / "gpu_health_worker.py"

@@ -44,7 +44,7 @@ from bench_models import GPT, mlp  # noqa: E402
 from gpu_snapshot_overhead import check_slot  # noqa: E402
 
 from hyperpodrun import CheckpointManager  # noqa: E402
-from hyperpodrun.runtime import slot_checksum  # noqa: E402
+from hyperpodrun.state.slots import slot_checksum  # noqa: E402
 
 SIZES = {("mlp", "1b"): {"dim": 8192, "layers": 16, "batch": 8192},
          ("gpt", "1b"): {"vocab": 32768, "dim": 2048, "layers": 20, "heads": 16, "seq": 1024, "batch": 8},

@@ -35,8 +35,9 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from hyperpodrun import CheckpointManager  # noqa: E402
-from hyperpodrun.runtime import slot_checksum, snapshot_io  # noqa: E402
-from hyperpodrun.runtime.state_dicts import state_dict_of, tensors_in  # noqa: E402
+from hyperpodrun.state.slots import slot_checksum
+from hyperpodrun.state.slots import snapshot_io  # noqa: E402
+from hyperpodrun.state.state_dicts import state_dict_of, tensors_in  # noqa: E402
 
 DEVICE = "cuda"
 

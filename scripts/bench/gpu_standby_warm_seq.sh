@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A GPU sequence for scripts/bench/gpu_recovery_all.sh (SEQ=scripts/bench/gpu_standby_warm_seq.sh): what the
-# standby's kernel warm-up (agent/kernel_warm.py) changes, side by side in one invocation.
+# standby's kernel warm-up (agent/workers/kernel_warm.py) changes, side by side in one invocation.
 #   w    scripts/bench/gpu_standby_warm.py: cold / warm / eager standby processes, the script's top and first steps
 #   c1   hyperpodrun --inprocess-restart --standby-workers 1 (kernel warm-up on: the default), and the calibration
 #   c1n  the same with HYPERPODRUN_STANDBY_KERNEL_WARM=0, c1's calibration (C1N=0 skips it)

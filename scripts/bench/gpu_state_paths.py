@@ -95,7 +95,7 @@ def main() -> None:
     if args.size == "1b" and device != "cuda":
         sys.exit("gpu_state_paths.py: --size 1b needs CUDA; use --size tiny on a CPU")
     from hyperpodrun import CheckpointManager
-    from hyperpodrun.runtime.fingerprint import Fingerprint
+    from hyperpodrun.state.fingerprint import Fingerprint
     net, opt, step_fn = build(args.model, args.size, device)
     nparams = sum(p.numel() for p in net.parameters())
     res: dict = {"model": args.model, "params": nparams, "device": torch.cuda.get_device_name() if device == "cuda"

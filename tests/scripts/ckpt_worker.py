@@ -101,7 +101,7 @@ def maybe_fault(where, step, rank, generation):
 
 def _rot_newest_slot() -> None:
     """Flip one byte of the tensor data in this rank's newest sealed slot (its checksum no longer matches)."""
-    from hyperpodrun.runtime import snapshot_io
+    from hyperpodrun.state.slots import snapshot_io
     cm.wait()
     newest = None
     for name in os.listdir(cm.slot_dir()):
@@ -126,7 +126,8 @@ def _rot_newest_slot() -> None:
 def _forge_inventory() -> None:
     """FORGE_INVENTORY=rank:generation: in that generation this rank's restore inventory is replaced by what an
     outsider without the workers' key sends in its seat: step 1000000 everywhere, tagged under another key."""
-    from hyperpodrun.runtime import restore_inventory, wire_auth
+    from hyperpodrun.state.restore import restore_inventory
+    from hyperpodrun.state.restore import wire_auth
     real = restore_inventory.encode
 
     def forged(mine, channel, rank):

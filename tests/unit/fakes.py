@@ -10,15 +10,15 @@ from typing import Any, Callable, Mapping, Optional, cast
 import torch.distributed as dist
 
 from hyperpodrun import protocol as P
-from hyperpodrun.agent.coordination import Coordinator
-from hyperpodrun.agent.events import EventLog
+from hyperpodrun.agent.coordination.job_state import Coordinator
+from hyperpodrun.agent.observe.events import EventLog
 from hyperpodrun.agent.inprocess import InProcess
 from hyperpodrun.agent.node import Node
 from hyperpodrun.agent.ports import KVStore, RendezvousInfo
 from hyperpodrun.agent.state import Phase
-from hyperpodrun.agent.store_schema import NodeLoss
-from hyperpodrun.agent.supervisor import WorkerProcess
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.agent.coordination.store_schema import NodeLoss
+from hyperpodrun.agent.workers.supervisor import WorkerProcess
+from hyperpodrun.launch.config import LaunchConfig
 
 RUN = "run"
 KEY = b"k" * 32

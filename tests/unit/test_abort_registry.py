@@ -9,7 +9,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from hyperpodrun import settings
+from hyperpodrun.launch import settings
 from hyperpodrun.runtime import abort
 
 

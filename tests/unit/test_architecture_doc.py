@@ -40,7 +40,7 @@ def test_every_module_the_document_names_exists() -> None:
     named = set(re.findall(r"(?<![\w/.])([\w/]*\w\.py)\b", DOC)) - {"train.py"}   # the user's script (section 1)
     stale = sorted(n for n in named if not any(k == n or k.endswith("/" + n) for k in known))
     assert not stale, f"docs/ARCHITECTURE.md names modules that do not exist: {stale}"
-    assert "agent/standby.py" in named and "integrations/transformers.py" in named
+    assert "agent/workers/standby.py" in named and "integrations/transformers.py" in named
 
 
 def test_a_listed_name_is_found_and_an_unlisted_one_is_not() -> None:

@@ -7,8 +7,8 @@ import os
 import time
 import zlib
 
-from hyperpodrun.runtime import slot_checksum
-from hyperpodrun.runtime.slot_checksum import ChunkSums
+from hyperpodrun.state.slots import slot_checksum
+from hyperpodrun.state.slots.slot_checksum import ChunkSums
 
 
 def sums_of(data: memoryview, threads: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""LaunchConfig owns every check of a launch (hyperpodrun/config.py): the CLI only maps click's values onto
+"""LaunchConfig owns every check of a launch (hyperpodrun/launch/config.py): the CLI only maps click's values onto
 its fields. These tests go through the same path as `hyperpodrun ...` (click's parsing, then
 LaunchConfig.from_flags) without starting anything."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from hyperpodrun.cli import _env_sources, launch
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.launch.config import LaunchConfig
 from hyperpodrun.errors import ConfigError
-from hyperpodrun.flags import build_config
+from hyperpodrun.launch.flags import build_config
 
 
 def _config(argv: list[str], env: dict[str, str] | None = None, monkeypatch: pytest.MonkeyPatch | None = None

@@ -10,7 +10,7 @@ import zmq
 from fakes import Harness, config
 
 from hyperpodrun import protocol as P
-from hyperpodrun.agent.control import ControlServer
+from hyperpodrun.agent.control.server import ControlServer
 from hyperpodrun.agent.state import Phase
 from hyperpodrun.errors import ProtocolError
 

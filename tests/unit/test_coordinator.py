@@ -8,9 +8,9 @@ import signal
 from fakes import KEY, RUN, job, shared_store
 import torch.distributed as dist
 
-from hyperpodrun.agent.coordination import Coordinator
+from hyperpodrun.agent.coordination.job_state import Coordinator
 from hyperpodrun.agent.state import Phase
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.coordination.store_schema import FailureInfo
 
 
 def two_agents(max_restarts: int) -> tuple[Coordinator, Coordinator]:

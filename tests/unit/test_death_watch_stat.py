@@ -1,11 +1,11 @@
-"""The death watch's reading of /proc/<pid>/stat (agent/death_watch.py): a failure is seen when the exit
+"""The death watch's reading of /proc/<pid>/stat (agent/workers/death_watch.py): a failure is seen when the exit
 begins (PF_EXITING and a non-zero status); a clean exit, a running task or a line it cannot read is not."""
 from __future__ import annotations
 
 import os
 import signal
 
-from hyperpodrun.agent.death_watch import PF_EXITING, PF_POSTCOREDUMP, exit_code_of, exiting_status
+from hyperpodrun.agent.workers.death_watch import PF_EXITING, PF_POSTCOREDUMP, exit_code_of, exiting_status
 
 
 def stat_line(comm: str, flags: int, status: int) -> bytes:

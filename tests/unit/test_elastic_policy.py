@@ -1,4 +1,4 @@
-"""The elastic part of the in-process round (agent/elastic.py, Elastic) on real Coordinators over torch's
+"""The elastic part of the in-process round (agent/coordination/elastic.py, Elastic) on real Coordinators over torch's
 in-memory HashStore: the store host shrinks the job when a lost node was not replaced in time and MIN nodes
 remain (and only then), another node waits one --inprocess-timeout for that decision and follows the
 host's layout, every node moves to the new layout at GO (new rank offsets, world size, group rank), and the
@@ -13,15 +13,15 @@ import pytest
 import torch.distributed as dist
 from fakes import KEY, RUN, FakeClock, config
 
-from hyperpodrun.agent import store_schema as K
-from hyperpodrun.agent.coordination import Coordinator, SignedRecords
-from hyperpodrun.agent.elastic import Elastic
-from hyperpodrun.agent.layout import LayoutRecords
-from hyperpodrun.agent.membership import MemberRecords, tombstone
+from hyperpodrun.agent.coordination import store_schema as K
+from hyperpodrun.agent.coordination.job_state import Coordinator, SignedRecords
+from hyperpodrun.agent.coordination.elastic import Elastic
+from hyperpodrun.agent.coordination.layout import LayoutRecords
+from hyperpodrun.agent.coordination.membership import MemberRecords, tombstone
 from hyperpodrun.agent.ports import KVStore, RendezvousInfo
 from hyperpodrun.agent.rankstate import Round
-from hyperpodrun.agent.store_schema import FailureInfo, Layout, NodeJoin, NodeLoss
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.agent.coordination.store_schema import FailureInfo, Layout, NodeJoin, NodeLoss
+from hyperpodrun.launch.config import LaunchConfig
 
 NPROC = 2
 INPROCESS_TIMEOUT = 60.0

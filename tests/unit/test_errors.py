@@ -96,10 +96,10 @@ def test_config_error_passes_through_pydantic() -> None:
 
 
 @pytest.mark.parametrize("module, name", [
-    ("hyperpodrun.runtime.checkpoint", "StateLostError"), ("hyperpodrun.runtime.checkpoint", "SnapshotCorrupt"),
-    ("hyperpodrun.runtime.checkpoint", "UnsupportedStateError"), ("hyperpodrun.runtime.safe_codec", "CodecError"),
-    ("hyperpodrun.runtime.safe_codec", "UnsupportedStateError"), ("hyperpodrun.runtime.snapshot_io", "SnapshotCorrupt"),
-    ("hyperpodrun.runtime.replicas", "ReplicaLayoutError"), ("hyperpodrun.runtime.health", "HealthCheckError"),
+    ("hyperpodrun.state.checkpoint", "StateLostError"), ("hyperpodrun.state.checkpoint", "SnapshotCorrupt"),
+    ("hyperpodrun.state.checkpoint", "UnsupportedStateError"), ("hyperpodrun.state.codec.safe_codec", "CodecError"),
+    ("hyperpodrun.state.codec.safe_codec", "UnsupportedStateError"), ("hyperpodrun.state.slots.snapshot_io", "SnapshotCorrupt"),
+    ("hyperpodrun.state.restore.replicas", "ReplicaLayoutError"), ("hyperpodrun.runtime.health", "HealthCheckError"),
     ("hyperpodrun.runtime.inject", "InjectedFault"), ("hyperpodrun.protocol", "ProtocolError"),
     ("hyperpodrun.auth", "AuthError"), ("hyperpodrun.safe_fs", "UnsafePathError"),
     ("hyperpodrun.data", "CacheFullError"), ("hyperpodrun.data", "DataStateLostError"),

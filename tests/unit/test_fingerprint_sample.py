@@ -1,10 +1,10 @@
-"""The GPU fingerprint's sample of large tensors (hyperpodrun/runtime/fingerprint.py): what it sees and what it
+"""The GPU fingerprint's sample of large tensors (hyperpodrun/state/fingerprint.py): what it sees and what it
 is documented to miss. Run on host tensors through the same function the GPU path calls."""
 from __future__ import annotations
 
 import torch
 
-from hyperpodrun.runtime import fingerprint as fp
+from hyperpodrun.state import fingerprint as fp
 
 
 def _print(ts: list) -> list:

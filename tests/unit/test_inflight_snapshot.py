@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from hyperpodrun import CheckpointManager
-from hyperpodrun.runtime import snapshot_copy, snapshot_io
+from hyperpodrun.state.slots import snapshot_copy
+from hyperpodrun.state.slots import snapshot_io
 
 
 class FakeSession:

@@ -1,4 +1,4 @@
-"""A standby's kernel warm-up (agent/kernel_warm.py) runs the usual training kernels - a transformer's too:
+"""A standby's kernel warm-up (agent/workers/kernel_warm.py) runs the usual training kernels - a transformer's too:
 attention, norms, embedding, losses, the optimizers - and touches nothing a script could see: it may run
 beside the script the standby has just become, so no draw from the default random generators, the caller's
 grad mode and default dtype as they were, and it stops between steps when told to. Run on CPU here (the
@@ -12,7 +12,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from hyperpodrun.agent import kernel_warm
+from hyperpodrun.agent.workers import kernel_warm
 
 DTYPES = ["float32", "bfloat16", "float16"]
 

@@ -1,5 +1,5 @@
-"""Elastic layouts (agent/layout.py) and what they build on: the pure helpers (shrunk, grown, free_ranks), the
-Layout and NodeJoin records (agent/store_schema.py), the layout records over torch's in-memory HashStore
+"""Elastic layouts (agent/coordination/layout.py) and what they build on: the pure helpers (shrunk, grown, free_ranks), the
+Layout and NodeJoin records (agent/coordination/store_schema.py), the layout records over torch's in-memory HashStore
 (first claim per generation wins, the newest only moves forward, the layout a round moves to, join
 requests), the membership records of a shrink (MemberRecords.drop / take_unused, vacancy), counting
 per-node marks over the job's node ranks now (SignedRecords.count, Coordinator(nodes=...)), and the
@@ -14,16 +14,16 @@ import pytest
 import torch.distributed as dist
 from fakes import KEY, RUN
 
-from hyperpodrun.agent import store_schema as K
-from hyperpodrun.agent.coordination import Coordinator, SignedRecords
-from hyperpodrun.agent.layout import LayoutRecords, free_ranks, grown, shrunk
-from hyperpodrun.agent.membership import MemberRecords, tombstone
+from hyperpodrun.agent.coordination import store_schema as K
+from hyperpodrun.agent.coordination.job_state import Coordinator, SignedRecords
+from hyperpodrun.agent.coordination.layout import LayoutRecords, free_ranks, grown, shrunk
+from hyperpodrun.agent.coordination.membership import MemberRecords, tombstone
 from hyperpodrun.agent.ports import KVStore
-from hyperpodrun.agent.store_schema import Layout, NodeJoin, NodeLoss
+from hyperpodrun.agent.coordination.store_schema import Layout, NodeJoin, NodeLoss
 from hyperpodrun.cli import _env_sources, launch
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.launch.config import LaunchConfig
 from hyperpodrun.errors import ConfigError, FencedError
-from hyperpodrun.flags import build_config
+from hyperpodrun.launch.flags import build_config
 
 
 # ------------------------------------------------------------------ helpers

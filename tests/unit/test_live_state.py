@@ -1,4 +1,4 @@
-"""When a survivor may keep its own state (hyperpodrun/runtime/live_state.py): only while its values are those of
+"""When a survivor may keep its own state (hyperpodrun/state/live_state.py): only while its values are those of
 the save - every way torch changes a model or an optimizer must be seen, `.data` included - whatever object
 holds them (a wrapper made again keeps)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hyperpodrun.runtime.live_state import LiveState
-from hyperpodrun.runtime.state_dicts import rng_state
+from hyperpodrun.state.live_state import LiveState
+from hyperpodrun.state.state_dicts import rng_state
 
 
 def setup(batchnorm: bool = False, **opt_kwargs):
@@ -73,7 +73,7 @@ def test_objects_built_again_get_the_previous_generations_tensors(monkeypatch):
     configure_optimizers): the saved tensors are still held, so the new objects get their values from them -
     the module's to copy on its device, the optimizer's handed over - unless memory was short when the restart
     began: then the new objects' own values are no step, and they are loaded from a copy."""
-    from hyperpodrun.runtime import live_state
+    from hyperpodrun.state import live_state
     model, opt, sched, state = setup()
     train_step(model, opt, sched)
     live = snapshot(1, state)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hyperpodrun.agent.membership import LossNews
-from hyperpodrun.agent.store_schema import NodeLoss
+from hyperpodrun.agent.coordination.membership import LossNews
+from hyperpodrun.agent.coordination.store_schema import NodeLoss
 
 
 def loss(node: int, inc: str) -> NodeLoss:
@@ -44,8 +44,8 @@ def test_its_own_loss_is_not_news_to_a_node() -> None:
 def test_the_lease_watch_reports_no_replacement_for_a_tombstone() -> None:
     """Declaring a loss turns the holder record into a tombstone: not a new holder, nothing more to judge;
     the replacement that takes the rank from it is."""
-    from hyperpodrun.agent.membership import LeaseWatch
-    from hyperpodrun.agent.store_schema import NodeLease
+    from hyperpodrun.agent.coordination.membership import LeaseWatch
+    from hyperpodrun.agent.coordination.store_schema import NodeLease
     watch = LeaseWatch(me=0, nnodes=2, timeout=3.0)
     assert watch.observe(0.0, {1: ("a", NodeLease(incarnation="a", count=1))}) == []
     assert watch.observe(3.0, {1: ("a", NodeLease(incarnation="a", count=1))})[0][0] == "node_lost"

@@ -1,4 +1,4 @@
-"""Node membership (agent/membership.py) on fakes: which leases LeaseWatch reports lost or replaced; the
+"""Node membership (agent/coordination/membership.py) on fakes: which leases LeaseWatch reports lost or replaced; the
 holder / lease / loss records over torch's in-memory HashStore (take a free rank once, take over only from a
 declared-lost incarnation, first declaration wins, the list of losses); fencing in the Coordinator; the
 Membership loop run on this thread (the store host's LeaseWatch, the other agents' LossNews); and the node's
@@ -15,13 +15,13 @@ import torch.distributed as dist
 from fakes import KEY, RUN, FakeClock, FlakyStore, Harness, config, shared_store
 
 from hyperpodrun import protocol as P
-from hyperpodrun.agent import membership
-from hyperpodrun.agent import store_schema as K
-from hyperpodrun.agent.coordination import Coordinator, SignedRecords
-from hyperpodrun.agent.membership import LeaseWatch, LossNews, MemberRecords, Membership
+from hyperpodrun.agent.coordination import membership
+from hyperpodrun.agent.coordination import store_schema as K
+from hyperpodrun.agent.coordination.job_state import Coordinator, SignedRecords
+from hyperpodrun.agent.coordination.membership import LeaseWatch, LossNews, MemberRecords, Membership
 from hyperpodrun.agent.ports import KVStore, Posted
 from hyperpodrun.agent.state import Phase
-from hyperpodrun.agent.store_schema import FailureInfo, NodeLease, NodeLoss
+from hyperpodrun.agent.coordination.store_schema import FailureInfo, NodeLease, NodeLoss
 from hyperpodrun.errors import EXIT_FENCED, EXIT_NODE_NOT_REPLACED, FencedError
 
 NODE_TIMEOUT = 3.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyperpodrun.agent.state import ALLOWED, IllegalTransition, NodeState, Phase, StopPlan
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.coordination.store_schema import FailureInfo
 from hyperpodrun.errors import HyperpodrunError
 
 

@@ -1,4 +1,4 @@
-"""Reading a slot back (hyperpodrun/runtime/pinned_read.py): the mapping is read-only and populated, a
+"""Reading a slot back (hyperpodrun/state/slots/pinned_read.py): the mapping is read-only and populated, a
 snapshot decodes from it and restores exactly, and without CUDA nothing is pinned (the pageable copy)."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from hyperpodrun.runtime import snapshot_copy
-from hyperpodrun.runtime import snapshot_io as io
-from hyperpodrun.runtime.pinned_read import DeviceReadable, buffer_address, map_readonly
-from hyperpodrun.runtime.state_dicts import like
+from hyperpodrun.state.slots import snapshot_copy
+from hyperpodrun.state.slots import snapshot_io as io
+from hyperpodrun.state.slots.pinned_read import DeviceReadable, buffer_address, map_readonly
+from hyperpodrun.state.state_dicts import like
 
 
 def write_slot(path: str, step: int, payload: dict) -> None:
@@ -64,7 +64,7 @@ def test_a_prepinned_mapping_is_used_only_while_the_file_is_the_one_mapped(tmp_p
     """The bookkeeping of prepin (a standby's slots; the registration itself needs a GPU): a mapping is
     handed over while the file has the inode and size it was mapped with, never after it was replaced."""
     import mmap
-    from hyperpodrun.runtime import pinned_read
+    from hyperpodrun.state.slots import pinned_read
     path = str(tmp_path / "slot0")
     with open(path, "wb") as fh:
         fh.write(b"\0" * 8192)
@@ -89,7 +89,7 @@ def test_a_standby_lets_go_of_a_slot_that_is_gone(tmp_path):
     """prepin_dir (a waiting standby's re-check) drops the mapping of a slot file that was removed, so the
     removed file's pages are not held pinned; files still there keep theirs."""
     import mmap
-    from hyperpodrun.runtime import pinned_read
+    from hyperpodrun.state.slots import pinned_read
     entries = {}
     for name in ("slot0", "slot1"):
         path = str(tmp_path / name)
@@ -114,7 +114,7 @@ def test_a_takeover_does_not_wait_for_a_registration_in_progress(tmp_path, monke
     while a registration is still under way, no file is started after it, and a restore that asks for the file
     being registered gets its mapping once the registration is done (never a half-registered one)."""
     import threading
-    from hyperpodrun.runtime import pinned_read
+    from hyperpodrun.state.slots import pinned_read
     for name in ("slot0", "slot1"):
         (tmp_path / name).write_bytes(b"\0" * 8192)
     entered, gate, calls = threading.Event(), threading.Event(), []
@@ -176,7 +176,7 @@ def test_populating_fills_the_page_tables_of_a_mapping(shm_file):
     """populate_without_gil does what MAP_POPULATE did: every page of the mapping is in the page tables, so a
     restore's read (or a device copy) takes no fault per page."""
     import mmap
-    from hyperpodrun.runtime import pinned_read
+    from hyperpodrun.state.slots import pinned_read
     size = 16 << 20
     with open(shm_file, "wb") as fh:
         fh.write(b"\1" * size)
@@ -206,7 +206,7 @@ def test_populating_a_mapping_lets_the_other_threads_run(shm_file):
     import mmap
     import threading
     import time
-    from hyperpodrun.runtime import pinned_read
+    from hyperpodrun.state.slots import pinned_read
     size = 512 << 20
     fd = os.open(shm_file, os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, size)

@@ -12,11 +12,11 @@ import pytest
 
 from fakes import FakeClock, RecordingSink, config, shared_store
 
-from hyperpodrun.agent import gpu_health as gh
-from hyperpodrun.agent import rendezvous as R
-from hyperpodrun.agent.agent_info import AgentInfo
-from hyperpodrun.agent.events import EventLog
-from hyperpodrun.agent.gpu_map import DeviceInfo
+from hyperpodrun.agent.health import gpu_health as gh
+from hyperpodrun.agent.coordination import rendezvous as R
+from hyperpodrun.agent.control.agent_info import AgentInfo
+from hyperpodrun.agent.observe.events import EventLog
+from hyperpodrun.agent.health.gpu_map import DeviceInfo
 from hyperpodrun.agent.ports import RendezvousInfo
 from hyperpodrun.agent.state import NodeState, Phase
 from hyperpodrun.errors import EXIT_NO_USABLE_GPU, RendezvousError

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from hyperpodrun.errors import SnapshotCorrupt
-from hyperpodrun.runtime import replica_stream, safe_codec
+from hyperpodrun.state.restore import replica_stream
+from hyperpodrun.state.codec import safe_codec
 
 RANK_SCRIPT = r"""
 import collections, json, os, random, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
-from hyperpodrun.runtime import replica_stream
+from hyperpodrun.state.restore import replica_stream
 
 Pair = collections.namedtuple("Pair", "tensor count")
 

@@ -1,4 +1,4 @@
-"""The replica stream's messages carry MACs (hyperpodrun/runtime/replica_stream.py, wire_auth.py): over an
+"""The replica stream's messages carry MACs (hyperpodrun/state/restore/replica_stream.py, wire_auth.py): over an
 in-memory wire (what a donor sends, replayed to a receiver) the receiver takes a transfer only from a holder
 of the workers' key, for this receiver, kind and step; a tampered header, body or tensor, or an oversized
 announced length, is refused before anything is allocated or decoded for it. Tensor.numpy is made to fail:
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from hyperpodrun.errors import ProtocolError
-from hyperpodrun.runtime import replica_stream, replicas, wire_auth
+from hyperpodrun.state.restore import replica_stream
+from hyperpodrun.state.restore import replicas
+from hyperpodrun.state.restore import wire_auth
 
 KEY = b"k" * 32
 

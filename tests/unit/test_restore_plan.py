@@ -1,4 +1,4 @@
-"""Which step the ranks restore and from where (hyperpodrun/runtime/restore_plan.py): a pure function of
+"""Which step the ranks restore and from where (hyperpodrun/state/restore/restore_plan.py): a pure function of
 what each rank holds, the same on every rank."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 import pytest
 
 from hyperpodrun.errors import StateLostError
-from hyperpodrun.runtime.restore_plan import Inventory, plan_restore
+from hyperpodrun.state.restore.restore_plan import Inventory, plan_restore
 
 
 def inv(shm: tuple[int, ...] = (), disk: tuple[int, ...] = (), latest: Optional[int] = None,
@@ -120,8 +120,8 @@ def test_inventories_travel_as_json_and_come_back_typed():
 
     import torch.distributed as dist
 
-    from hyperpodrun.runtime import wire_auth
-    from hyperpodrun.runtime.restore_plan import gather
+    from hyperpodrun.state.restore import wire_auth
+    from hyperpodrun.state.restore.restore_plan import gather
     mine = {"shm": [4, 6], "disk": [], "latest": 6, "copies": {0: [6]}, "never_committed": False,
             "live": 9, "at": 9}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
@@ -148,7 +148,7 @@ def test_inventories_travel_as_json_and_come_back_typed():
     ([1, 2], "malformed restore inventory"),
 ])
 def test_a_malformed_inventory_names_the_rank_that_sent_it(raw, needle):
-    from hyperpodrun.runtime.restore_inventory import parse
+    from hyperpodrun.state.restore.restore_inventory import parse
     with pytest.raises(ValueError, match=needle) as err:
         parse(raw, 3, 4)
     assert "rank 3" in str(err.value)

@@ -1,4 +1,4 @@
-"""hyperpodrun's own restore protocols are authenticated and bounded (hyperpodrun/runtime/wire_auth.py,
+"""hyperpodrun's own restore protocols are authenticated and bounded (hyperpodrun/state/restore/wire_auth.py,
 restore_inventory.py, replica_stream.py): every malformed inventory of the security probe (nesting 100000 deep,
 non-UTF-8, steps 10**400 and -5, unknown source ranks, an empty inventory from a peer without the key, huge
 announced lengths) is refused as its sender's fault, never an escaped exception or a lost state; an outsider
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from hyperpodrun.errors import ProtocolError, StateLostError
-from hyperpodrun.runtime import replica_stream, restore_inventory as inv_wire, wire_auth
-from hyperpodrun.runtime.restore_inventory import Gathered, check, encode, nothing, parse
-from hyperpodrun.runtime.restore_plan import plan_restore
+from hyperpodrun.state.restore import replica_stream
+from hyperpodrun.state.restore import restore_inventory as inv_wire
+from hyperpodrun.state.restore import wire_auth
+from hyperpodrun.state.restore.restore_inventory import Gathered, check, encode, nothing, parse
+from hyperpodrun.state.restore.restore_plan import plan_restore
 
 KEY = b"k" * 32
 WORLD = 4

@@ -10,9 +10,9 @@ import pytest
 
 from fakes import RecordingSink
 from hyperpodrun import netwatch
-from hyperpodrun.agent import intruders
-from hyperpodrun.agent.events import EventLog
-from hyperpodrun.agent.store_schema import FailureInfo
+from hyperpodrun.agent.security import intruders
+from hyperpodrun.agent.observe.events import EventLog
+from hyperpodrun.agent.coordination.store_schema import FailureInfo
 from hyperpodrun.errors import EXIT_INTRUDER, AuthError, HyperpodrunError, RollCallError
 from hyperpodrun.runtime import group_hook, roll_call
 from hyperpodrun.runtime.roll_call import PROOF_BYTES, Roll

@@ -1,4 +1,4 @@
-"""The user's HYPERPODRUN_* settings (hyperpodrun/settings.py) and the worker environment contract as the
+"""The user's HYPERPODRUN_* settings (hyperpodrun/launch/settings.py) and the worker environment contract as the
 runtime reads it (hyperpodrun/env.py): each read in one place, each bad value one clear error."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Iterator
 
 import pytest
 
-from hyperpodrun import auth, settings
+from hyperpodrun import auth
+from hyperpodrun.launch import settings
 from hyperpodrun.env import WorkerContext, worker_context
 from hyperpodrun.errors import ConfigError
 
@@ -95,7 +96,7 @@ def test_job_secret_comes_through_the_settings(tmp_path, monkeypatch: pytest.Mon
 
 
 def test_log_dir_setting_is_the_default_log_dir(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from hyperpodrun.host_checks import default_log_dir
+    from hyperpodrun.launch.host_checks import default_log_dir
     monkeypatch.delenv("PET_LOG_DIR", raising=False)
     monkeypatch.setenv("HYPERPODRUN_LOG_DIR", str(tmp_path))
     assert default_log_dir() == str(tmp_path)
@@ -106,21 +107,21 @@ _ENV_READ = re.compile(r"""(environ\s*(\.\s*get\s*\(|\[)|getenv\s*\()\s*[rbf]?["
 
 
 def test_no_module_reads_a_setting_from_the_environment_itself() -> None:
-    """Every HYPERPODRUN_* setting is read by hyperpodrun/settings.py (the worker contract by hyperpodrun/env.py),
+    """Every HYPERPODRUN_* setting is read by hyperpodrun/launch/settings.py (the worker contract by hyperpodrun/env.py),
     so a bad value is refused once at start-up and a default is written in one place."""
     import hyperpodrun
     import hyperpodrun.agent
     roots = [Path(hyperpodrun.__file__).parent, Path(hyperpodrun.agent.__file__).parent]
-    allowed = {roots[0] / "settings.py", roots[0] / "env.py"}
+    allowed = {roots[0] / "launch/settings.py", roots[0] / "env.py"}
     stray = [f"{path}:{n}: {line.strip()}" for root in roots for path in sorted(root.rglob("*.py"))
              if path not in allowed for n, line in enumerate(path.read_text().splitlines(), 1)
              if _ENV_READ.search(line)]
-    assert not stray, "read these through hyperpodrun.settings: " + "; ".join(stray)
+    assert not stray, "read these through hyperpodrun.launch.settings: " + "; ".join(stray)
     assert _ENV_READ.search('x = os.environ.get("HYPERPODRUN_WARM_IMPORTS")'), "the pattern finds a read"
 
 
 def test_the_zygote_imports_what_the_setting_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyperpodrun.agent import zygote
+    from hyperpodrun.agent.workers import zygote
     imported: list[str] = []
 
     def fake_import(name: str) -> None:
@@ -169,10 +170,10 @@ def test_the_zygote_loads_the_modules_behind_hyperpodruns_public_names(tmp_path)
     when the names are first used (hyperpodrun's lazy attributes): the zygote - and so a standby - loads them
     ahead, not the rank after a fault."""
     from hyperpodrun import _LAZY
-    from hyperpodrun.agent import zygote
+    from hyperpodrun.agent.workers import zygote
     script = tmp_path / "train.py"
     script.write_text("import os\nfrom hyperpodrun import CheckpointManager, HPWrapper, __version__\n"
                       "import torch.nn as nn\n")
     names = zygote.script_imports(str(script))
     assert names == ["hyperpodrun", _LAZY["CheckpointManager"], _LAZY["HPWrapper"], "torch.nn"], names
-    assert "hyperpodrun.runtime.checkpoint" in zygote.DEFAULT_IMPORTS
+    assert "hyperpodrun.state.checkpoint" in zygote.DEFAULT_IMPORTS

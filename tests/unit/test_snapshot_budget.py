@@ -1,12 +1,12 @@
-"""The overhead budget (hyperpodrun/runtime/snapshot_budget.py): the snapshot interval follows from measured costs,
+"""The overhead budget (hyperpodrun/state/snapshot_budget.py): the snapshot interval follows from measured costs,
 and a CheckpointManager under it snapshots every k-th save(), certifies the others, and restores the step of its
 last save() call from its live objects whether or not that call was snapshotted."""
 from __future__ import annotations
 
 import torch
 
-from hyperpodrun.runtime import snapshot_budget
-from hyperpodrun.runtime.snapshot_budget import MAX_INTERVAL, OverheadBudget
+from hyperpodrun.state import snapshot_budget
+from hyperpodrun.state.snapshot_budget import MAX_INTERVAL, OverheadBudget
 
 
 class Clock:
@@ -120,7 +120,7 @@ def test_mapping_a_slot_is_not_counted_as_a_snapshots_cost(tmp_path, monkeypatch
     """The first snapshot into each slot maps (on a GPU host: registers) the file - a one-time cost that must not
     set the interval (it made it jump to its cap on an H200): what the budget is told leaves it out."""
     from hyperpodrun import CheckpointManager
-    from hyperpodrun.runtime import snapshot_io
+    from hyperpodrun.state.slots import snapshot_io
     monkeypatch.setenv("RANK", "0")
     told: list[bool] = []
     monkeypatch.setattr(OverheadBudget, "snapshot_began", lambda self, counted=True: told.append(counted))
@@ -238,7 +238,7 @@ def test_the_interval_counts_from_the_seal_so_steps_without_a_snapshot_in_flight
     import threading
 
     from hyperpodrun import CheckpointManager
-    from hyperpodrun.runtime import checkpoint
+    from hyperpodrun.state import checkpoint
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(OverheadBudget, "_update", lambda self: setattr(self, "interval", 2))
     gate = threading.Event()

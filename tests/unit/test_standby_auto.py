@@ -1,4 +1,4 @@
-"""`--standby-workers auto`, the default (hyperpodrun/host_checks.py standby_auto, LaunchConfig._standby_auto):
+"""`--standby-workers auto`, the default (hyperpodrun/launch/host_checks.py standby_auto, LaunchConfig._standby_auto):
 one standby per local rank for an in-process restart of a script on a host with CUDA GPUs, 0 otherwise - and,
 being the default, never an error; a number keeps its checks; a bad value is one line. The GPU detection is
 faked here (monkeypatched `host_checks.cuda_gpus`), and tested apart on fake device files."""
@@ -9,11 +9,11 @@ from typing import Optional
 
 import pytest
 
-from hyperpodrun import host_checks
+from hyperpodrun.launch import host_checks
 from hyperpodrun.cli import _env_sources, launch
-from hyperpodrun.config import LaunchConfig
+from hyperpodrun.launch.config import LaunchConfig
 from hyperpodrun.errors import ConfigError
-from hyperpodrun.flags import build_config
+from hyperpodrun.launch.flags import build_config
 
 
 def _config(argv: list[str]) -> LaunchConfig:

@@ -1,4 +1,4 @@
-"""Console output never stops the agent (agent/tee.py): a console nobody reads blocks only its writer
+"""Console output never stops the agent (agent/workers/tee.py): a console nobody reads blocks only its writer
 thread - never a caller of `Console.put`, of the agent's logging, or of the tee's attach/release."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from hyperpodrun.agent import tee as T
+from hyperpodrun.agent.workers import tee as T
 
 
 def _returns_within(seconds: float, fn: Callable[[], object]) -> None:

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from hyperpodrun import trusted_read as T
-from hyperpodrun.agent.agent_info import AgentInfo
+from hyperpodrun.agent.control.agent_info import AgentInfo
 from hyperpodrun.tools import tools
 
 OTHER = 65534

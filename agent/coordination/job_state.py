@@ -1,0 +1,367 @@
+"""Job-wide state in the coordination store: restart generation, restart budget, failure, completion.
+
+The generation moves only forward and only through the store: the first agent to claim the restart into
+g+1 owns it (its claim holds the cause); an agent that asks later joins the same generation. A
+process-level restart spends one unit of the job-wide budget, counted once per generation whichever agent
+counts it, so every agent that asks for the same generation gets the same verdict. A watcher thread per
+agent (its own connection) turns changes made by other nodes into loop events. The keys and records are
+those of agent/coordination/store_schema.py.
+
+Every record that changes the job's fate is signed with a key derived from the job secret
+(hyperpodrun/auth.py) and bound to the run id and the record's name: the generation, the restart claims
+and the budget spent, the failure record, the workers' store port, and the per-node completion and
+barrier marks. The store itself authenticates nobody (as torchrun's), so a record someone else wrote is
+ignored - reported once as `forged_record` - and a counter is only a hint whose count is confirmed
+through signed per-node marks. What a store writer can still do is listed in the README, Security.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from typing import Callable, Optional, Sequence
+
+from hyperpodrun import auth
+from hyperpodrun.agent.coordination import store_schema as K
+from hyperpodrun.agent.ports import KVStore, Posted, RestartGrant
+from hyperpodrun.agent.coordination.store_schema import FailureInfo, Layout, NodeJoin, NodeLoss, RestartBudget, RestartClaim
+from hyperpodrun.errors import FencedError
+
+log = logging.getLogger("hyperpodrun.agent")
+
+_CAS_TRIES = 64
+
+
+class Forgeries:
+    """Reports each record name found forged once, from any thread."""
+
+    def __init__(self, report: Callable[[str], None]) -> None:
+        self._report = report
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> None:
+        with self._lock:
+            if name in self._seen:
+                return
+            self._seen.add(name)
+        self._report(f"ignored the coordination store record {name!r}: it is not signed with the job's key "
+                     "(written by something outside the job; see README, Security)")
+
+
+class SignedRecords:
+    """Signed string records in a (prefixed) store. Not thread-safe: one instance per store connection."""
+
+    def __init__(self, store: KVStore, key: bytes, run_id: str, forged: Callable[[str], None]) -> None:
+        self.store = store
+        self._key = key
+        self._run = run_id
+        self._forged = forged
+        self._last: dict[str, str] = {}     # the newest valid value seen per name
+
+    def _pack(self, name: str, value: str) -> bytes:
+        return auth.sign(self._key, f"{self._run}/{name}={value}".encode())
+
+    def _unpack(self, name: str, raw: bytes) -> Optional[str]:
+        """The value of a record we signed for `name`; None (and reported) for anything else."""
+        try:
+            payload = auth.verify(self._key, raw).decode()
+        except (auth.AuthError, UnicodeDecodeError):
+            payload = ""
+        prefix = f"{self._run}/{name}="
+        if not payload.startswith(prefix):
+            self._forged(name)
+            return None
+        return payload[len(prefix):]
+
+    def _raw(self, name: str) -> bytes:
+        return bytes(self.store.get(name)) if self.store.check([name]) else b""
+
+    def read(self, name: str) -> Optional[str]:
+        """The record's value; None when absent. A forged record reads as the last valid value seen here."""
+        raw = self._raw(name)
+        if not raw:
+            return None
+        value = self._unpack(name, raw)
+        if value is None:
+            return self._last.get(name)
+        self._last[name] = value
+        return value
+
+    def write(self, name: str, value: str) -> None:
+        self.store.set(name, self._pack(name, value))
+        self._last[name] = value
+
+    def claim(self, name: str, value: str) -> Optional[str]:
+        """First valid writer wins: the winning value (`value` when it is ours). A forged occupant is replaced;
+        None if someone keeps replacing it (an attacker on the store: the claim is not made)."""
+        mine = self._pack(name, value)
+        expected = b""
+        for _ in range(_CAS_TRIES):
+            got = bytes(self.store.compare_set(name, expected, mine))
+            if got == mine:
+                self._last[name] = value
+                return value
+            theirs = self._unpack(name, got) if got else None
+            if theirs is not None:
+                self._last[name] = theirs
+                return theirs
+            expected = got
+        return None
+
+    def update(self, name: str, fn: Callable[[Optional[str]], str]) -> str:
+        """Atomically replace the value by fn(current) (compare-and-set; current None when absent, the last
+        valid value seen when the record is forged); returns the value written."""
+        for _ in range(_CAS_TRIES):
+            raw = self._raw(name)
+            current = self._unpack(name, raw) if raw else None
+            if raw and current is None:
+                current = self._last.get(name)
+            new = fn(current)
+            packed = self._pack(name, new)
+            if bytes(self.store.compare_set(name, raw, packed)) == packed:
+                self._last[name] = new
+                return new
+        raise auth.AuthError(f"the coordination store record {name!r} keeps changing under this agent "
+                             "(something outside the job writes it)")
+
+    # ------------------------------------------------------------ per-node marks with a counter as hint
+    def mark(self, name: str, node: int, on: bool = True) -> None:
+        """Set (or take back) this node's signed mark `name`; the plain counter `name` moves with it."""
+        self.write(K.node_mark(name, node), "1" if on else "0")
+        self.store.add(name, 1 if on else -1)
+
+    def count(self, name: str, nodes: Sequence[int]) -> int:
+        """How many of `nodes` set mark `name`. The counter says when it is worth checking the signed marks: below
+        len(nodes) it is returned as is (an upper bound: it may include nodes outside the job that marked)."""
+        hint = int(self.store.add(name, 0))
+        if hint < len(nodes):
+            return max(hint, 0)
+        marked = 0
+        for node in nodes:
+            if self._marked(name, node):
+                marked += 1
+        if marked < len(nodes) and hint > len(nodes):
+            # more counted than marked: forged, unless nodes outside the job now (lost, dropped) marked too
+            outside = [n for n in range(max(nodes, default=-1) + 1 + hint) if n not in nodes]
+            if marked + sum(self._marked(name, n) for n in outside) < hint:
+                self._forged(name)
+        return marked
+
+    def _marked(self, name: str, node: int) -> bool:
+        mark = K.node_mark(name, node)
+        raw = self._raw(mark)
+        return bool(raw) and self._unpack(mark, raw) == "1"
+
+
+class Coordinator:
+    """Main-thread view of the job-wide records (the Coordination port). `store` is already prefixed to the run."""
+
+    def __init__(self, store: KVStore, nnodes: int, max_restarts: int, *, key: bytes, run_id: str, node_rank: int,
+                 on_forged: Callable[[str], None], incarnation: str = "",
+                 nodes: Optional[Callable[[], Sequence[int]]] = None) -> None:
+        self.store = store
+        self.incarnation = incarnation      # this agent's hold on its node rank (agent/coordination/membership.py)
+        self.nnodes = nnodes
+        self._nodes = nodes or (lambda: range(nnodes))   # the node ranks of the job now (they change: elastic)
+        self.max_restarts = max_restarts
+        self.node_rank = node_rank
+        self._key = key
+        self._run = run_id
+        self.forgeries = Forgeries(on_forged)
+        self.records = SignedRecords(store, key, run_id, self.forgeries)
+        self._me = f"node{node_rank}:{secrets.token_hex(8)}"   # tells our claims from another agent's
+
+    def view(self, store: KVStore) -> "Coordinator":
+        """The same job's records over another connection to the same store (the watcher's)."""
+        other = Coordinator(store, self.nnodes, self.max_restarts, key=self._key, run_id=self._run,
+                            node_rank=self.node_rank, on_forged=lambda name: None, incarnation=self.incarnation,
+                            nodes=self._nodes)
+        other.forgeries = self.forgeries    # each forged name is still reported once, whichever view saw it
+        other.records = SignedRecords(store, self._key, self._run, self.forgeries)
+        return other
+
+    # ------------------------------------------------------------ generations and the budget
+    def generation(self) -> int:
+        return int(self.records.read(K.GENERATION) or 0)
+
+    def check_holder(self) -> None:
+        """FencedError once another incarnation holds this node's rank: this agent was declared lost and
+        replaced, and whatever it would write now (a restart claim, a READY mark) would disturb the job."""
+        if not self.incarnation:
+            return
+        holder = self.records.read(K.node_holder(self.node_rank))
+        if holder is not None and holder != self.incarnation:
+            raise FencedError(f"node {self.node_rank} was declared lost (no lease renewal for --node-timeout) and "
+                              "another agent has taken its place; this agent leaves without touching the job")
+
+    def request_restart(self, current: int, reason: FailureInfo, count_budget: bool = True) -> RestartGrant:
+        """Ask for generation current+1.
+
+        In-process restarts move the generation without spending the --max-restarts budget
+        (count_budget=False); process-level restarts spend one unit. The budget is counted once per
+        generation by whichever agent asks first, and read by every agent that asks, so an agent that lost
+        the race to claim the restart learns that the budget is spent as the winner does (and the winner's
+        cause with it)."""
+        self.check_holder()
+        latest = self.generation()
+        if latest > current:   # someone already moved it: fold our failure into theirs
+            return RestartGrant(latest, started=False, budget_ok=True, cause=reason)
+        target = current + 1
+        mine = RestartClaim(owner=self._me, reason=reason).model_dump_json()
+        won = self.records.claim(K.restart_claim(target), mine)
+        claim = RestartClaim.model_validate_json(won) if won is not None else None
+        started = claim is not None and claim.owner == self._me
+        cause = claim.reason if claim is not None else reason
+        if count_budget:
+            budget = RestartBudget.model_validate_json(self.records.update(K.RESTARTS_USED, _count_for(target)))
+            if budget.used > self.max_restarts:
+                return RestartGrant(target, started=started, budget_ok=False, cause=cause)
+        if started:   # the generation never moves backwards
+            self.records.update(K.GENERATION, lambda g: str(max(int(g or 0), target)))
+        return RestartGrant(target, started=started, budget_ok=True, cause=cause)
+
+    def restarts_used(self) -> int:
+        value = self.records.read(K.RESTARTS_USED)
+        return RestartBudget.model_validate_json(value).used if value is not None else 0
+
+    # ------------------------------------------------------------ the job's failure
+    def report_failure(self, info: FailureInfo) -> FailureInfo:
+        """The job failed for good: tell every agent. The first report wins; returns the winning one."""
+        self.check_holder()
+        won = self.records.claim(K.FAILED, info.to_json())
+        return FailureInfo.from_json(won) if won is not None else info
+
+    def failure(self) -> Optional[FailureInfo]:
+        """The failure that ended the job, once an agent has reported one."""
+        value = self.records.read(K.FAILED)
+        return FailureInfo.from_json(value) if value is not None else None
+
+    # ------------------------------------------------------------ worker stores
+    def publish_worker_store(self, generation: int, port: int) -> None:
+        self.records.write(K.worker_store(generation), str(port))
+
+    def worker_store_port(self, generation: int) -> Optional[int]:
+        value = self.records.read(K.worker_store(generation))
+        return int(value) if value is not None else None
+
+    # ------------------------------------------------------------ in-process rounds
+    def claim_root_cause(self, generation: int, info: FailureInfo) -> None:
+        """Name the real cause of `generation`'s round job-wide (the first node that knows one wins)."""
+        self.check_holder()
+        self.records.claim(K.root_cause(generation), info.with_(node=self.node_rank).to_json())
+
+    def root_cause(self, generation: int) -> Optional[FailureInfo]:
+        value = self.records.read(K.root_cause(generation))
+        return FailureInfo.from_json(value) if value is not None else None
+
+    def mark_ready(self, generation: int, on: bool = True) -> None:
+        """Every rank of this node is READY for `generation`; on=False takes it back (a rank died since)."""
+        self.check_holder()
+        self.records.mark(K.inprocess_ready(generation), self.node_rank, on)
+
+    def ready_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.inprocess_ready(generation), nodes or self._nodes())
+
+    def mark_inprocess_done(self, generation: int) -> None:
+        self.check_holder()
+        self.records.mark(K.inprocess_done(generation), self.node_rank)
+
+    def inprocess_done_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.inprocess_done(generation), nodes or self._nodes())
+
+    # ------------------------------------------------------------ the exit barrier
+    def mark_done(self, generation: int) -> None:
+        self.check_holder()
+        self.records.mark(K.done(generation), self.node_rank)
+
+    def done_count(self, generation: int, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.done(generation), nodes or self._nodes())
+
+    def mark_left(self) -> None:
+        self.check_holder()
+        self.records.mark(K.LEFT, self.node_rank)
+
+    def left_count(self, nodes: Optional[Sequence[int]] = None) -> int:
+        return self.records.count(K.LEFT, nodes or self._nodes())
+
+    # ------------------------------------------------------------ membership (agent/coordination/membership.py)
+    def declare_lost(self, loss: NodeLoss) -> NodeLoss:
+        """Record that incarnation `loss.incarnation` of node `loss.node` is lost: its rank may be taken over
+        from now on, and that incarnation is fenced should it come back. The first declaration wins and is
+        returned (agent/coordination/membership.py)."""
+        from hyperpodrun.agent.coordination.membership import MemberRecords   # membership builds on this module
+        return MemberRecords(self.records).declare_lost(loss)
+
+    def drop_lost(self, node: int, incarnation: str) -> bool:
+        """Elastic shrink: no replacement takes node `node` (lost as `incarnation`) any more; False when one
+        already has (agent/coordination/layout.py)."""
+        from hyperpodrun.agent.coordination.membership import MemberRecords
+        self.check_holder()
+        return MemberRecords(self.records).drop(node, incarnation)
+
+    def set_layout(self, layout: Layout) -> Layout:
+        """The job runs on `layout`'s nodes from its generation on (first claim wins; the agreed one)."""
+        from hyperpodrun.agent.coordination.layout import LayoutRecords
+        self.check_holder()
+        return LayoutRecords(self.records).claim(layout)
+
+    def layout_for_round(self, target: int) -> Optional[Layout]:
+        """The layout the round into `target` moves to, when the job's nodes change there or before."""
+        from hyperpodrun.agent.coordination.layout import LayoutRecords
+        return LayoutRecords(self.records).for_round(target)
+
+    def join_request(self, node: int) -> Optional[NodeJoin]:
+        from hyperpodrun.agent.coordination.layout import LayoutRecords
+        return LayoutRecords(self.records).join_request(node)
+
+
+def _count_for(target: int) -> Callable[[Optional[str]], str]:
+    """The budget update for a process-level restart into `target`: one more unit, unless counted already."""
+    def count(value: Optional[str]) -> str:
+        budget = RestartBudget.model_validate_json(value) if value is not None else RestartBudget()
+        if budget.counted < target:
+            budget = RestartBudget(used=budget.used + 1, counted=target)
+        return budget.model_dump_json()
+    return count
+
+
+class Watcher(threading.Thread):
+    """Polls the job-wide records over its own connection; posts ("generation", g) / ("failed", FailureInfo),
+    and ("store_lost", why) once the store cannot be read."""
+
+    def __init__(self, open_store: Callable[[], KVStore], post: Callable[[Posted], None], interval: float,
+                 view: Callable[[KVStore], Coordinator]) -> None:
+        super().__init__(name="hyperpodrun-watch", daemon=True)
+        self._open_store = open_store
+        self._post = post
+        self._interval = interval
+        self._view = view
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            coord = self._view(self._open_store())
+        except Exception as exc:  # the loop learns of a lost store through this event
+            self._post(("store_lost", str(exc)))
+            return
+        seen_gen = -1
+        failed_sent = False
+        while not self._stop.wait(self._interval):
+            try:
+                gen = coord.generation()
+                if gen != seen_gen:
+                    seen_gen = gen
+                    self._post(("generation", gen))
+                if not failed_sent:
+                    failed = coord.failure()
+                    if failed is not None:
+                        failed_sent = True
+                        self._post(("failed", failed))
+            except Exception as exc:
+                if not self._stop.is_set():
+                    self._post(("store_lost", str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+                return
+
+    def stop(self) -> None:
+        self._stop.set()

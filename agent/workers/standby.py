@@ -1,0 +1,203 @@
+"""Standby workers: processes started ahead that become a rank which died (a WorkerSource, agent/ports.py).
+
+Why: a respawned rank is on the critical path of an in-process restart. A warm fork (agent/workers/sources.py,
+WarmFork) saves the interpreter start and the imports, but the new process still makes its CUDA context
+(0.3 s on an H200 host) and, on a GPU host, a fork after CUDA is impossible - so the fork must come first.
+A standby is that fork made ahead: the zygote forks it once its imports are done, it makes the CUDA
+context of its local rank's GPU and waits. When its rank dies it is told the rank's argv, environment,
+directory and log descriptors and runs the script as `__main__` - no fork, no import, no context on the
+critical path.
+
+`--standby-workers N` standbys per local rank slot (0: off). A standby is never a worker: it has no rank,
+is never counted in WORLD_SIZE, and lives in the zygote's session until it becomes a rank, so the reaper
+kills it with the zygote's session if the agent dies. One that dies is replaced (event `standby_lost`),
+one that is used is replaced (`standby_ready` when the new one is ready). When no standby can serve a
+respawn (none ready yet, or the rank's CUDA_VISIBLE_DEVICES changed since the standby made its context)
+the next source serves it (warm fork, cold start) and the event log says why (`standby_unused`).
+Memory: each standby holds what the zygote imported (torch: about 0.3-0.5 GB of host memory, mostly shared
+with the zygote's pages) and, on a GPU host, one CUDA context (about 0.5 GB of GPU memory).
+On a GPU host a standby also does, before it reports ready, a one-rank NCCL group (NCCL's per-process start,
+0.4 s, off the critical path), and while it waits it maps and registers with CUDA its local rank's snapshot
+slots (hyperpodrun/state/slots/pinned_read.py, `prepin`): the restore after it takes over copies by DMA from
+them at once and the rank's saves write through them. Those are the slot files' own pages (in /dev/shm):
+pinning adds no copy, only locks them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from hyperpodrun.agent.workers import warm_spawner
+from hyperpodrun.agent.ports import Events, SpawnRequest
+from hyperpodrun.agent.workers.sources import WarmFork
+from hyperpodrun.agent.workers.supervisor import Supervisor, WorkerProcess, describe_exit
+from hyperpodrun.agent.workers.warm_spawner import AdoptedProcess
+
+log = logging.getLogger("hyperpodrun.agent")
+
+#: a standby that dies before it is ready is forked again after this long, doubling up to MAX_BACKOFF_S
+BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+#: how long the agent waits for a standby to confirm that it became the rank
+ACTIVATE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _Standby:
+    local_rank: int
+    pid: int
+    chan: socket.socket
+    process: AdoptedProcess
+    env_cuda: Optional[str]           # CUDA_VISIBLE_DEVICES when it was forked (its context is for that)
+    ready: Optional[dict[str, Any]] = None
+    born: float = 0.0
+
+
+class StandbyPool:
+    """The standbys of this node, per local rank slot. Used from the agent's loop thread only."""
+
+    name = "standby"
+
+    def __init__(self, sup: Supervisor, events: Events, warm: WarmFork, per_slot: int, nproc: int,
+                 base_env: dict[str, str], slot_dir_for: Callable[[int], Optional[str]] = lambda _lr: None) -> None:
+        self.sup = sup
+        self.slot_dir_for = slot_dir_for
+        self.events = events
+        self.warm = warm
+        self.per_slot = per_slot
+        self.base_env = base_env
+        self.pool: dict[int, list[_Standby]] = {lr: [] for lr in range(nproc)}
+        self._next_fork: dict[int, float] = {lr: 0.0 for lr in range(nproc)}
+        self._backoff: dict[int, float] = {lr: BACKOFF_S for lr in range(nproc)}
+        self.stopped = False
+
+    # ------------------------------------------------------------------ upkeep (every loop tick)
+    def poll(self) -> None:
+        """Replace standbys that died, note the ones that became ready, fork the missing ones."""
+        spawner = self.warm.spawner
+        if not self.per_slot or self.stopped or spawner is None or not spawner.check_ready():
+            return
+        now = time.monotonic()
+        for slot, items in self.pool.items():
+            for sb in list(items):
+                code = sb.process.poll()
+                if code is not None:
+                    self._forget(sb)
+                    items.remove(sb)
+                    early = sb.ready is None
+                    self._next_fork[slot] = now + (self._backoff[slot] if early else 0.0)
+                    self._backoff[slot] = min(MAX_BACKOFF_S, self._backoff[slot] * 2) if early else BACKOFF_S
+                    self.events.emit("standby_lost", f"the standby for local rank {slot} (pid {sb.pid}) exited: "
+                                     f"{describe_exit(code)}; starting another", local_rank=slot, pid=sb.pid,
+                                     level=logging.WARNING)
+                elif sb.ready is None:
+                    self._read_ready(sb, now)
+            while len(items) < self.per_slot and now >= self._next_fork[slot]:
+                try:
+                    pid, chan = spawner.fork_standby(slot, slot_dir=self.slot_dir_for(slot))
+                except warm_spawner.WarmSpawnError as exc:
+                    log.info("no standby for local rank %d for now: %s", slot, exc)
+                    self._next_fork[slot] = now + self._backoff[slot]
+                    break
+                self.sup.track_extra(pid)
+                items.append(_Standby(slot, pid, chan, AdoptedProcess(pid), self.base_env.get("CUDA_VISIBLE_DEVICES"),
+                                      born=now))
+
+    def _read_ready(self, sb: _Standby, now: float) -> None:
+        r, _, _ = select.select([sb.chan], [], [], 0)
+        if not r:
+            return
+        try:
+            msg = sb.chan.recv(1 << 16)
+        except OSError:
+            msg = b""
+        if not msg:
+            self._kill(sb)   # its socket closed before it was ready: it is on its way out (poll sees the exit)
+            return
+        sb.ready = json.loads(msg)
+        self._backoff[sb.local_rank] = BACKOFF_S
+        where = f"CUDA context on GPU {sb.ready.get('device')}" if sb.ready.get("cuda") else "no GPU"
+        if sb.ready.get("kernel_warm") == "background":
+            where += ", warming its kernels"
+        self.events.emit("standby_ready", f"standby for local rank {sb.local_rank} ready (pid {sb.pid}, {where}, "
+                         f"{now - sb.born:.2f}s)", local_rank=sb.local_rank, pid=sb.pid, cuda=bool(sb.ready.get("cuda")),
+                         ready_s=round(now - sb.born, 3), level=logging.DEBUG)
+
+    # ------------------------------------------------------------------ the WorkerSource port
+    def spawn(self, req: SpawnRequest) -> Optional[WorkerProcess]:
+        """The rank of `req` from a ready standby of its slot, or None (the event log says why)."""
+        if not self.per_slot or self.stopped:
+            return None
+        items = self.pool.get(req.local_rank, [])
+        sb = next((s for s in items if s.ready is not None), None)
+        if sb is None:
+            why = "its standby is still starting" if items else "no standby (starting again after one was used or lost)"
+            self._unused(req, why)
+            return None
+        if req.env.get("CUDA_VISIBLE_DEVICES") != sb.env_cuda:
+            self._unused(req, "the rank's CUDA_VISIBLE_DEVICES changed since its standby made its CUDA context")
+            return None
+        items.remove(sb)
+        fds = [fd if fd is not None else std for fd, std in zip((req.stdout, req.stderr), (1, 2))]
+        answered = False
+        try:
+            socket.send_fds(sb.chan, [json.dumps({"argv": list(req.argv[2:]), "env": dict(req.env),
+                                                  "cwd": os.getcwd()}).encode()], fds)
+            r, _, _ = select.select([sb.chan], [], [], ACTIVATE_TIMEOUT_S)
+            answered = bool(r)
+            ack = sb.chan.recv(1 << 10) if r else b""
+        except OSError:
+            ack, answered = b"", True
+        if not ack:
+            self._kill(sb)
+            self._forget(sb)
+            self._unused(req, f"its standby (pid {sb.pid}) did not take the rank "
+                         f"({'it exited' if answered else f'no answer within {ACTIVATE_TIMEOUT_S:g}s'})")
+            return None
+        self._forget(sb)
+        return self.sup.adopt(req.local_rank, req.rank, req.generation, sb.process, source=self.name)
+
+    def _unused(self, req: SpawnRequest, why: str) -> None:
+        self.events.emit("standby_unused", f"rank {req.rank}: not from a standby: {why}", rank=req.rank,
+                         local_rank=req.local_rank, why=why, level=logging.INFO)
+
+    # ------------------------------------------------------------------ the end
+    def _kill(self, sb: _Standby) -> None:
+        try:
+            os.kill(sb.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _forget(self, sb: _Standby) -> None:
+        try:
+            sb.chan.close()
+        except OSError:
+            pass
+        self.sup.untrack_extra(sb.pid)
+
+    def stop(self) -> None:
+        """No more respawns: every standby goes (SIGKILL: it holds nothing; reaped here)."""
+        self.stopped = True
+        standbys = [sb for items in self.pool.values() for sb in items]
+        for items in self.pool.values():
+            items.clear()
+        for sb in standbys:
+            self._kill(sb)
+        end = time.monotonic() + 2.0
+        for sb in standbys:
+            while sb.process.poll() is None and time.monotonic() < end:
+                time.sleep(0.005)
+            self._forget(sb)
+
+    def live_pids(self) -> list[int]:
+        return [sb.pid for items in self.pool.values() for sb in items]
+
+
+__all__ = ["StandbyPool"]
