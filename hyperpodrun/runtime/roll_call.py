@@ -193,10 +193,33 @@ def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
     return time.perf_counter() - t0
 
 
+#: gloo's own checks on a peer's rendezvous record, in the files that parse it
+_GLOO_PARSERS = ("gloo/transport/tcp/context.cc", "gloo/transport/tcp/address.cc", "gloo/rendezvous/")
+
+
+def malformed_rendezvous(exc: BaseException) -> bool:
+    """Whether forming a gloo group failed (`exc`) on a rendezvous record that gloo did not write.
+
+    Why this is an outside cause: every record under the round's store's group keys is written by gloo in a
+    rank of ours, in the format the reading rank expects. A record that makes gloo read a length from junk
+    (std::bad_alloc: MemoryError; std::length_error: ValueError 'basic_string::_M_create') or fail one of
+    the checks of its parser ('enforce fail at .../gloo/transport/tcp/context.cc') was written by someone
+    else - another user of the node can reach the store (finding 2 of the security issue). A network or
+    timeout error is not taken for one: those the script's own environment causes too."""
+    text = str(exc)
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, ValueError) and ("basic_string" in text or "length_error" in text):
+        return True
+    return isinstance(exc, RuntimeError) and "enforce fail" in text and any(p in text for p in _GLOO_PARSERS)
+
+
 def outside_cause(exc: BaseException, environ: Optional[Mapping[str, str]] = None) -> Optional[RollCallError]:
-    """When forming the group failed (`exc`) while a process of another uid is connected to the round's store
-    or to this process's ports - junk in the rendezvous keys, a rank's place taken - the error that names
-    that outside cause instead of blaming the script; None when no outsider is in sight."""
+    """When forming the group failed (`exc`) because of a process outside the job - one of another uid is
+    connected to the round's store or to this process's ports, or a peer's rendezvous record is junk
+    (malformed_rendezvous) - the error that names that outside cause instead of blaming the script; None
+    when no outsider is in sight. An outsider that wrote junk and hung up before this rank read the tables
+    is '(uid unknown)': the agent, which watches the ports all along, fills in the uid it saw."""
     env = os.environ if environ is None else environ
     try:
         rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
@@ -206,12 +229,14 @@ def outside_cause(exc: BaseException, environ: Optional[Mapping[str, str]] = Non
     if found is None:
         return None
     uids = foreign_uids(_ports(found[0]))
-    if not uids:
+    junk = malformed_rendezvous(exc)
+    if not uids and not junk:
         return None
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return RollCallError(f"a process outside the job (uid {', '.join(str(u) for u in uids)}) is connected to the "
-                         f"workers' store of generation {found[0].generation} and the group failed to form: {first}",
-                         uids=tuple(uids))
+    who = f"(uid {', '.join(str(u) for u in uids)})" if uids else "(uid unknown)"
+    what = ("wrote malformed rendezvous records into" if junk else "is connected to")
+    return RollCallError(f"a process outside the job {who} {what} the workers' store of generation "
+                         f"{found[0].generation} and the group failed to form: {first}", uids=tuple(uids))
 
 
 def _ports(roll: Roll) -> list[int]:
