@@ -102,3 +102,49 @@ def test_junk_in_the_rendezvous_keys_names_an_outside_cause(launcher, tmp_path: 
         assert result.rc == EXIT_INTRUDER, console[-4000:]
         assert "wrote malformed rendezvous records into the workers' store of generation 1" in console, console[-4000:]
         assert not (out_dir / "done0").exists()
+
+
+SILENT = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(sys.argv[1])}", rank=1, world_size=2,
+                        timeout=timedelta(seconds=120))
+print("joined as rank 1", flush=True)
+sys.stdin.read()        # says nothing in the group until the test lets it go
+"""
+#: the most seconds from the outsider's joining the group to the agent's `roll_call_failed` (gloo's own wait
+#: is 60 s; the roll call gives up after 2 s with an outsider at the ports, the rest is the agent noticing)
+DETECT_S = 15.0
+
+
+def test_a_silent_outsider_in_a_ranks_place_is_caught_within_seconds(launcher, tmp_path: Path,
+                                                                      out_dir: Path) -> None:
+    """An outsider joins generation 0's group as rank 1 while the real rank 1 is slow, then sends no proof:
+    the roll call does not wait out gloo's timeout; the job retries on a fresh store and finishes."""
+    script = write_script(tmp_path, "train.py", WORKER.replace('(f"go{gen}" if rank == 0 else "never")',
+                                                               '("go" if rank == 0 else "never")'))
+    (out_dir / "go").touch()            # rank 0 forms its group at once; the real rank 1 of generation 0 never
+    job = launcher.start(["--nproc-per-node", "2", "--max-restarts", "0", str(script), str(out_dir), "0"])
+    port = wait_until(lambda: store_port(launcher.log_dir, 0), timeout=60, message="generation 0's store")
+    said = tmp_path / "outsider.out"
+    with open(said, "w") as fh:
+        outsider = subprocess.Popen([*NOBODY, sys.executable, "-c", SILENT, str(port)], stdin=subprocess.PIPE,
+                                    stdout=fh, stderr=subprocess.STDOUT, cwd="/")
+    try:
+        wait_until(lambda: "joined as rank 1" in said.read_text() or outsider.poll() is not None, timeout=120,
+                   message="the outsider in the group")
+        assert "joined as rank 1" in said.read_text(), said.read_text()
+        joined = time.monotonic()
+        [failed] = wait_until(lambda: events_named(launcher.log_dir, "roll_call_failed"), timeout=DETECT_S + 30,
+                              message="roll_call_failed")
+        took = time.monotonic() - joined
+    finally:
+        outsider.stdin.close()
+        outsider.wait(timeout=60)
+    assert took < DETECT_S, f"the silent outsider was caught after {took:.1f}s"
+    assert ("a process outside the job joined the worker group of generation 0 (uid 65534)" in failed["msg"]
+            and "proofs did not arrive" in failed["msg"]), failed["msg"]
+    result = job.wait(timeout=120)
+    assert result.rc == 0, (result.out + result.err)[-4000:]
+    assert [(out_dir / f"done{r}").read_text() for r in (0, 1)] == ["1", "1"]

@@ -13,6 +13,9 @@ the uid /proc/net/tcp shows connected to the job's ports (hyperpodrun/netwatch.p
 round on a fresh store.
 
 Only fixed-size bytes cross the network (32 per rank); nothing read from it is decoded beyond a compare.
+A member that says nothing (an outsider that took a place and stays silent) would hold the others for gloo's
+timeout; with another uid at the ports the roll call gives up after SILENT_S instead.
+
 HYPERPODRUN_ROLL_CALL=0 turns it off (hyperpodrun/settings.py). Outside hyperpodrun (no workers' key) it does
 nothing. The cost: one 32-byte all-gather (scripts/bench/roll_call_bench.py).
 """
@@ -26,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hyperpodrun import auth, netwatch
 from hyperpodrun import env as E
@@ -38,6 +41,12 @@ PROOF_BYTES = 32
 #: seconds a gloo group's members have to answer: they all left init_process_group together (gloo connects
 #: the whole mesh before it returns), so only a member that is not running our code is late
 GLOO_ANSWER_S = 60.0
+#: seconds the proofs may be missing while a process of another uid is connected to the round's store or to
+#: this rank's ports before the roll call fails: every honest member left init_process_group with this one and
+#: answers within milliseconds, so a silent member beside an outsider at the ports is the outsider
+SILENT_S = 2.0
+#: seconds between two looks at the proofs (and, past SILENT_S, at the ports) while they are missing
+_LOOK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,30 @@ def _device(dist: Any, group: Any) -> Any:
     return torch.device(kind, index)
 
 
-def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> bytes:
+class _Silent(Exception):
+    """The proofs did not come while an outsider is at the ports."""
+
+
+def _wait(work: Any, timeout_s: float, outsider: Optional[Callable[[], bool]], silent_s: float) -> None:
+    """Wait for a gloo work of the roll call: up to `timeout_s`, or `silent_s` once `outsider()` says a
+    process of another uid is at the ports (_Silent). Short waits one after the other: a wait that times
+    out leaves the collective running (c10d's Work.wait), so looking again costs nothing."""
+    import time
+    start = time.monotonic()
+    while True:
+        left = start + timeout_s - time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=max(0.001, min(_LOOK_S, left))))
+            return
+        except RuntimeError:
+            if work.is_completed() or left <= _LOOK_S:
+                raise
+        if outsider is not None and time.monotonic() - start >= silent_s and outsider():
+            raise _Silent()
+
+
+def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float],
+           outsider: Optional[Callable[[], bool]] = None, silent_s: float = SILENT_S) -> bytes:
     """All members' proofs over `group`, in rank order (a fixed-size all-gather of raw bytes).
 
     The tensors own their memory (not views of Python buffers through `torch.frombuffer`): the collective's
@@ -156,7 +188,7 @@ def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> b
     work = op(out, send, group=group, async_op=True)
     try:
         if timeout_s is not None and device.type == "cpu":
-            work.wait(timeout=timedelta(seconds=timeout_s))
+            _wait(work, timeout_s, outsider, silent_s)
         else:
             work.wait()
         return bytes(out.cpu().tolist())    # synchronous on a device: waits for the collective
@@ -177,8 +209,16 @@ def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
         return None
     roll, key = found
     t0 = time.perf_counter()
+    seen: list[int] = []
+
+    def outsider() -> bool:
+        seen[:] = foreign_uids(_ports(roll))
+        return bool(seen)
     try:
-        gathered = gather(group, proof(key, roll), world, answer_s)
+        gathered = gather(group, proof(key, roll), world, answer_s, outsider)
+    except _Silent:   # an outsider took a place in the group and says nothing: no 60 s wait for gloo
+        raise RollCallError(f"{describe((), roll.generation, seen)}: its members' proofs did not arrive within "
+                            f"{SILENT_S:g}s while it was connected to the job's ports", uids=tuple(seen)) from None
     except RuntimeError as exc:   # a member that does not take part: gloo's wait timed out, or it hung up
         uids = foreign_uids(_ports(roll))
         if not uids:

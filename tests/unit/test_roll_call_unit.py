@@ -253,3 +253,32 @@ def test_the_agent_names_the_uid_inside_the_message(tmp_path: Path) -> None:
                        cause="RollCallError: a process outside the job (uid unknown) wrote malformed rendezvous "
                              "records into the workers' store of generation 0 and the group failed to form: x")
     assert "a process outside the job (uid 65534) wrote" in failures.final(info).summary
+
+
+class _PendingWork:
+    """A collective that never completes (a member that says nothing); counts the waits."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits += 1
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_missing_proofs_with_an_outsider_at_the_ports_fail_fast_and_without_one_wait_for_gloo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+    monkeypatch.setattr(roll_call, "_LOOK_S", 0.01)
+    work = _PendingWork()
+    start = time.monotonic()
+    with pytest.raises(roll_call._Silent):
+        roll_call._wait(work, 60.0, lambda: True, silent_s=0.05)
+    assert time.monotonic() - start < 5 and work.waits >= 2     # not gloo's 60 s
+    looked: list[float] = []
+    with pytest.raises(RuntimeError, match="timed out"):      # nobody else at the ports: gloo's own deadline
+        roll_call._wait(_PendingWork(), 0.2, lambda: looked.append(1.0) or False, silent_s=0.05)
+    assert looked
