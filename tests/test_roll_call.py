@@ -136,8 +136,10 @@ def test_outsider_in_place_of_a_slow_rank_gets_nothing_and_is_named(launcher, tm
     assert str(SECRET_VALUE) not in outsider.stdout, outsider.stdout   # no model state reached it
     events = read_events(launcher.log_dir)
     failed = [e for e in events if e["event"] == "roll_call_failed"]
-    assert failed and "took rank 1's place in generation 0 (uid 65534)" in failed[0]["msg"], \
-        [(e["event"], e.get("msg")) for e in events]
+    # its wrong proof names its rank; when it is slower than the roll call's 2 s with it at the ports, it is
+    # named as the member that did not answer
+    assert failed and re.search(r"(took rank 1's place in|joined the worker group of) generation 0 \(uid 65534\)",
+                                failed[0]["msg"]), [(e["event"], e.get("msg")) for e in events]
     assert any(e["event"] == "foreign_connection" and e.get("uid") == 65534 for e in events), events
     assert result.rc == 0, result.err[-4000:]
     for rank in (0, 1):

@@ -63,8 +63,8 @@ class RollCallFailures:
     def _message(self, info: FailureInfo) -> str:
         message = roll_call_message(info)
         uids = self.known_uids()
-        if message.endswith("(uid unknown)") and uids:
-            message = message[:-len("(uid unknown)")] + f"(uid {', '.join(str(u) for u in sorted(uids))})"
+        if "(uid unknown)" in message and uids:
+            message = message.replace("(uid unknown)", f"(uid {', '.join(str(u) for u in sorted(uids))})", 1)
         return message
 
     def retry(self, info: FailureInfo) -> bool:

@@ -13,6 +13,9 @@ the uid /proc/net/tcp shows connected to the job's ports (hyperpodrun/netwatch.p
 round on a fresh store.
 
 Only fixed-size bytes cross the network (32 per rank); nothing read from it is decoded beyond a compare.
+A member that says nothing (an outsider that took a place and stays silent) would hold the others for gloo's
+timeout; with another uid at the ports the roll call gives up after SILENT_S instead.
+
 HYPERPODRUN_ROLL_CALL=0 turns it off (hyperpodrun/launch/settings.py). Outside hyperpodrun (no workers' key) it does
 nothing. The cost: one 32-byte all-gather (scripts/bench/roll_call_bench.py).
 """
@@ -26,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hyperpodrun import auth, netwatch
 from hyperpodrun import env as E
@@ -38,6 +41,12 @@ PROOF_BYTES = 32
 #: seconds a gloo group's members have to answer: they all left init_process_group together (gloo connects
 #: the whole mesh before it returns), so only a member that is not running our code is late
 GLOO_ANSWER_S = 60.0
+#: seconds the proofs may be missing while a process of another uid is connected to the round's store or to
+#: this rank's ports before the roll call fails: every honest member left init_process_group with this one and
+#: answers within milliseconds, so a silent member beside an outsider at the ports is the outsider
+SILENT_S = 2.0
+#: seconds between two looks at the proofs (and, past SILENT_S, at the ports) while they are missing
+_LOOK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,30 @@ def _device(dist: Any, group: Any) -> Any:
     return torch.device(kind, index)
 
 
-def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> bytes:
+class _Silent(Exception):
+    """The proofs did not come while an outsider is at the ports."""
+
+
+def _wait(work: Any, timeout_s: float, outsider: Optional[Callable[[], bool]], silent_s: float) -> None:
+    """Wait for a gloo work of the roll call: up to `timeout_s`, or `silent_s` once `outsider()` says a
+    process of another uid is at the ports (_Silent). Short waits one after the other: a wait that times
+    out leaves the collective running (c10d's Work.wait), so looking again costs nothing."""
+    import time
+    start = time.monotonic()
+    while True:
+        left = start + timeout_s - time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=max(0.001, min(_LOOK_S, left))))
+            return
+        except RuntimeError:
+            if work.is_completed() or left <= _LOOK_S:
+                raise
+        if outsider is not None and time.monotonic() - start >= silent_s and outsider():
+            raise _Silent()
+
+
+def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float],
+           outsider: Optional[Callable[[], bool]] = None, silent_s: float = SILENT_S) -> bytes:
     """All members' proofs over `group`, in rank order (a fixed-size all-gather of raw bytes).
 
     The tensors own their memory (not views of Python buffers through `torch.frombuffer`): the collective's
@@ -156,7 +188,7 @@ def gather(group: Any, mine: bytes, world: int, timeout_s: Optional[float]) -> b
     work = op(out, send, group=group, async_op=True)
     try:
         if timeout_s is not None and device.type == "cpu":
-            work.wait(timeout=timedelta(seconds=timeout_s))
+            _wait(work, timeout_s, outsider, silent_s)
         else:
             work.wait()
         return bytes(out.cpu().tolist())    # synchronous on a device: waits for the collective
@@ -177,8 +209,16 @@ def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
         return None
     roll, key = found
     t0 = time.perf_counter()
+    seen: list[int] = []
+
+    def outsider() -> bool:
+        seen[:] = foreign_uids(_ports(roll))
+        return bool(seen)
     try:
-        gathered = gather(group, proof(key, roll), world, answer_s)
+        gathered = gather(group, proof(key, roll), world, answer_s, outsider)
+    except _Silent:   # an outsider took a place in the group and says nothing: no 60 s wait for gloo
+        raise RollCallError(f"{describe((), roll.generation, seen)}: its members' proofs did not arrive within "
+                            f"{SILENT_S:g}s while it was connected to the job's ports", uids=tuple(seen)) from None
     except RuntimeError as exc:   # a member that does not take part: gloo's wait timed out, or it hung up
         uids = foreign_uids(_ports(roll))
         if not uids:
@@ -193,10 +233,33 @@ def call(group: Any = None, environ: Optional[Mapping[str, str]] = None,
     return time.perf_counter() - t0
 
 
+#: gloo's own checks on a peer's rendezvous record, in the files that parse it
+_GLOO_PARSERS = ("gloo/transport/tcp/context.cc", "gloo/transport/tcp/address.cc", "gloo/rendezvous/")
+
+
+def malformed_rendezvous(exc: BaseException) -> bool:
+    """Whether forming a gloo group failed (`exc`) on a rendezvous record that gloo did not write.
+
+    Why this is an outside cause: every record under the round's store's group keys is written by gloo in a
+    rank of ours, in the format the reading rank expects. A record that makes gloo read a length from junk
+    (std::bad_alloc: MemoryError; std::length_error: ValueError 'basic_string::_M_create') or fail one of
+    the checks of its parser ('enforce fail at .../gloo/transport/tcp/context.cc') was written by someone
+    else - another user of the node can reach the store (finding 2 of the security issue). A network or
+    timeout error is not taken for one: those the script's own environment causes too."""
+    text = str(exc)
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, ValueError) and ("basic_string" in text or "length_error" in text):
+        return True
+    return isinstance(exc, RuntimeError) and "enforce fail" in text and any(p in text for p in _GLOO_PARSERS)
+
+
 def outside_cause(exc: BaseException, environ: Optional[Mapping[str, str]] = None) -> Optional[RollCallError]:
-    """When forming the group failed (`exc`) while a process of another uid is connected to the round's store
-    or to this process's ports - junk in the rendezvous keys, a rank's place taken - the error that names
-    that outside cause instead of blaming the script; None when no outsider is in sight."""
+    """When forming the group failed (`exc`) because of a process outside the job - one of another uid is
+    connected to the round's store or to this process's ports, or a peer's rendezvous record is junk
+    (malformed_rendezvous) - the error that names that outside cause instead of blaming the script; None
+    when no outsider is in sight. An outsider that wrote junk and hung up before this rank read the tables
+    is '(uid unknown)': the agent, which watches the ports all along, fills in the uid it saw."""
     env = os.environ if environ is None else environ
     try:
         rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
@@ -206,12 +269,14 @@ def outside_cause(exc: BaseException, environ: Optional[Mapping[str, str]] = Non
     if found is None:
         return None
     uids = foreign_uids(_ports(found[0]))
-    if not uids:
+    junk = malformed_rendezvous(exc)
+    if not uids and not junk:
         return None
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return RollCallError(f"a process outside the job (uid {', '.join(str(u) for u in uids)}) is connected to the "
-                         f"workers' store of generation {found[0].generation} and the group failed to form: {first}",
-                         uids=tuple(uids))
+    who = f"(uid {', '.join(str(u) for u in uids)})" if uids else "(uid unknown)"
+    what = ("wrote malformed rendezvous records into" if junk else "is connected to")
+    return RollCallError(f"a process outside the job {who} {what} the workers' store of generation "
+                         f"{found[0].generation} and the group failed to form: {first}", uids=tuple(uids))
 
 
 def _ports(roll: Roll) -> list[int]:

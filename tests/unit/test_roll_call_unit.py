@@ -224,3 +224,61 @@ def test_the_wrap_turns_a_failed_rendezvous_with_an_outsider_into_its_error(monk
     monkeypatch.setattr(roll_call, "outside_cause", lambda exc: None)
     with pytest.raises(RuntimeError, match="wait timeout"):
         wrapped()
+
+
+@pytest.mark.parametrize("junk", [MemoryError("std::bad_alloc"), ValueError("basic_string::_M_create"),
+                                  RuntimeError("[enforce fail at /w/third_party/gloo/gloo/transport/tcp/context.cc:391] "
+                                               "pairIdChunkSz % sizeof(ssize_t) == 0. 4 vs 0")])
+def test_a_group_that_fails_on_a_malformed_record_names_an_outsider_it_cannot_see(
+        monkeypatch: pytest.MonkeyPatch, junk: BaseException) -> None:
+    """Finding 2 when the outsider hung up before the rank looked: what gloo raises on a record it did not
+    write is an outside cause, '(uid unknown)' until the agent names the uid it saw."""
+    env = {"HYPERPODRUN_JOB_KEY": "ab" * 32, "TORCHELASTIC_RUN_ID": "r", "HYPERPODRUN_GENERATION": "4",
+           "MASTER_PORT": "4000", "RANK": "0", "WORLD_SIZE": "2"}
+    monkeypatch.setattr(roll_call, "foreign_uids", lambda ports: [])
+    exc = roll_call.outside_cause(junk, env)
+    assert isinstance(exc, RollCallError) and str(exc).startswith(
+        "a process outside the job (uid unknown) wrote malformed rendezvous records into the workers' store of "
+        "generation 4 and the group failed to form: ")
+    for honest in (RuntimeError("Connection refused"), RuntimeError("[enforce fail at gloo/transport/tcp/pair.cc:1] "
+                                                                    "Connection reset by peer"), TimeoutError("x")):
+        assert roll_call.outside_cause(honest, env) is None      # the script's own environment: as it is
+
+
+def test_the_agent_names_the_uid_inside_the_message(tmp_path: Path) -> None:
+    events, sink = _events()
+    failures = intruders.RollCallFailures(events)
+    failures.known_uids = lambda: {65534}
+    info = FailureInfo(rank=0, exc_type="RollCallError", generation=0,
+                       cause="RollCallError: a process outside the job (uid unknown) wrote malformed rendezvous "
+                             "records into the workers' store of generation 0 and the group failed to form: x")
+    assert "a process outside the job (uid 65534) wrote" in failures.final(info).summary
+
+
+class _PendingWork:
+    """A collective that never completes (a member that says nothing); counts the waits."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waits += 1
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_missing_proofs_with_an_outsider_at_the_ports_fail_fast_and_without_one_wait_for_gloo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+    monkeypatch.setattr(roll_call, "_LOOK_S", 0.01)
+    work = _PendingWork()
+    start = time.monotonic()
+    with pytest.raises(roll_call._Silent):
+        roll_call._wait(work, 60.0, lambda: True, silent_s=0.05)
+    assert time.monotonic() - start < 5 and work.waits >= 2     # not gloo's 60 s
+    looked: list[float] = []
+    with pytest.raises(RuntimeError, match="timed out"):      # nobody else at the ports: gloo's own deadline
+        roll_call._wait(_PendingWork(), 0.2, lambda: looked.append(1.0) or False, silent_s=0.05)
+    assert looked
