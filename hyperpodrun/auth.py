@@ -32,6 +32,7 @@ import stat
 import struct
 from typing import Mapping, Optional
 
+from hyperpodrun import env
 from hyperpodrun.launch import settings
 from hyperpodrun.errors import AuthError, ConfigError
 from hyperpodrun.launch.settings import MAX_SECRET_BYTES, MIN_SECRET_BYTES, SECRET_ENV  # noqa: F401 (re-exported)
@@ -95,7 +96,6 @@ def derive(key: bytes, purpose: str) -> bytes:
 def worker_key(environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
     """In a worker: the key its agent handed down (HYPERPODRUN_JOB_KEY, hyperpodrun/env.py), or None outside
     hyperpodrun."""
-    from hyperpodrun import env
     return env.worker_context(environ).job_key
 
 
@@ -163,3 +163,11 @@ def message_mac(session: bytes, seq: int) -> "hmac.HMAC":
 
 
 MAC_BYTES = _MAC
+
+
+def hand_down_key(environ: dict[str, str], secret: bytes) -> None:
+    """Give the workers (and the warm spawner) the workers' key, derived one-way from the job secret, and
+    never the secret itself: a rank can authenticate peer copies, not sign the agents' records. Here, not in
+    env.py, so that the contract of names (env) does not import the keys (auth)."""
+    environ.pop(SECRET_ENV, None)
+    environ[env.HYPERPODRUN_JOB_KEY] = derive(secret, "worker").hex()

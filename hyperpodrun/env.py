@@ -127,15 +127,6 @@ def keep_on_loopback(env: dict[str, str]) -> list[str]:
     return added
 
 
-def hand_down_key(env: dict[str, str], secret: bytes) -> None:
-    """Give the workers (and the warm spawner) the workers' key, derived one-way from the job secret, and
-    never the secret itself (hyperpodrun/auth.py): a rank can authenticate peer copies, not sign the agents'
-    records."""
-    from hyperpodrun import auth
-    env.pop(auth.SECRET_ENV, None)
-    env[HYPERPODRUN_JOB_KEY] = auth.derive(secret, "worker").hex()
-
-
 def hand_down_hook(env: dict[str, str]) -> None:
     """Put BOOT_DIR first on the workers' PYTHONPATH, so that every worker - a plain script, Lightning, Hugging
     Face - holds the roll call when it forms its default process group (hyperpodrun/runtime/group_hook.py);

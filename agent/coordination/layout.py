@@ -27,7 +27,7 @@ import logging
 from typing import Iterable, Mapping, Optional
 
 from hyperpodrun.agent.coordination import store_schema as K
-from hyperpodrun.agent.coordination.job_state import SignedRecords
+from hyperpodrun.agent.coordination.signed_records import SignedRecords
 from hyperpodrun.agent.coordination.store_schema import Layout, NodeJoin
 
 log = logging.getLogger("hyperpodrun.agent")

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from hyperpodrun.agent.coordination import store_schema as K
-from hyperpodrun.agent.coordination.job_state import SignedRecords
+from hyperpodrun.agent.coordination.signed_records import SignedRecords
 from hyperpodrun.agent.ports import KVStore, Posted
 from hyperpodrun.agent.coordination.store_schema import NodeLease, NodeLoss
 

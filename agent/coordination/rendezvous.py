@@ -28,7 +28,7 @@ from typing import Callable, Optional
 from hyperpodrun import auth, netaddr
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.coordination import stores
-from hyperpodrun.agent.coordination.job_state import SignedRecords
+from hyperpodrun.agent.coordination.signed_records import SignedRecords
 from hyperpodrun.agent.coordination.layout import LayoutRecords, free_ranks
 from hyperpodrun.agent.coordination.membership import MemberRecords, lease_interval, new_incarnation
 from hyperpodrun.agent.ports import KVStore, Rendezvous, RendezvousInfo

@@ -21,7 +21,8 @@ from hyperpodrun.agent.workers.standby import StandbyPool
 from hyperpodrun.agent.workers.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.workers.tee import Tee, worker_pipe
 from hyperpodrun.launch.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
-from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_hook, hand_down_key,
+from hyperpodrun import auth
+from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_hook,
                              inprocess_env_overrides, keep_on_loopback, worker_env)
 from hyperpodrun.state.slots import shm_runs
 
@@ -118,7 +119,7 @@ class WorkerLauncher:
             env["OMP_NUM_THREADS"] = "1"
             log.warning("setting OMP_NUM_THREADS=1 for each worker (torchrun's default with several workers "
                         "per node); set it yourself to tune")
-        hand_down_key(env, self.rdzv.secret)
+        auth.hand_down_key(env, self.rdzv.secret)
         if self.shm_dir is not None:   # the usual slot base is squatted: the agent's private one
             env[settings.variable("shm_dir")] = self.shm_dir
         if self.rdzv.single_node:   # every peer is on this host: the workers' listeners stay on loopback

@@ -15,6 +15,7 @@ PACKAGE = Path(hyperpodrun.__file__).parent
 
 #: exceptions hyperpodrun/ may raise that are not errors of ours, and why
 NOT_OURS = {
+    "_Silent": "roll_call._wait: an internal signal its one caller turns into RollCallError right there",
     "SystemExit": "ends the process with the agent's exit code (HPWrapper on SHUTDOWN)",
     "RestartInterrupt": "unwinds the training function at a restart: control flow, a BaseException on purpose",
     "AttributeError": "the attribute protocol of module and class __getattr__",

@@ -1,0 +1,141 @@
+"""Signed records in the coordination store: every record that changes the job's fate carries an HMAC under a
+key derived from the job secret, bound to the run id and the record's name; a record someone else wrote is
+ignored and reported once (`forged_record`).
+
+Why a module of its own: the job-wide state (job_state.py), node membership (membership.py) and elastic
+layouts (layout.py) all keep their records this way, and job_state builds on the other two - with the
+records here, the imports go one way.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Sequence
+
+from hyperpodrun import auth
+from hyperpodrun.agent.coordination import store_schema as K
+from hyperpodrun.agent.ports import KVStore
+
+#: how often a compare-and-set is tried again when another agent changed the record meanwhile
+_CAS_TRIES = 64
+
+
+class Forgeries:
+    """Reports each record name found forged once, from any thread."""
+
+    def __init__(self, report: Callable[[str], None]) -> None:
+        self._report = report
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> None:
+        with self._lock:
+            if name in self._seen:
+                return
+            self._seen.add(name)
+        self._report(f"ignored the coordination store record {name!r}: it is not signed with the job's key "
+                     "(written by something outside the job; see README, Security)")
+
+
+class SignedRecords:
+    """Signed string records in a (prefixed) store. Not thread-safe: one instance per store connection."""
+
+    def __init__(self, store: KVStore, key: bytes, run_id: str, forged: Callable[[str], None]) -> None:
+        self.store = store
+        self._key = key
+        self._run = run_id
+        self._forged = forged
+        self._last: dict[str, str] = {}     # the newest valid value seen per name
+
+    def _pack(self, name: str, value: str) -> bytes:
+        return auth.sign(self._key, f"{self._run}/{name}={value}".encode())
+
+    def _unpack(self, name: str, raw: bytes) -> Optional[str]:
+        """The value of a record we signed for `name`; None (and reported) for anything else."""
+        try:
+            payload = auth.verify(self._key, raw).decode()
+        except (auth.AuthError, UnicodeDecodeError):
+            payload = ""
+        prefix = f"{self._run}/{name}="
+        if not payload.startswith(prefix):
+            self._forged(name)
+            return None
+        return payload[len(prefix):]
+
+    def _raw(self, name: str) -> bytes:
+        return bytes(self.store.get(name)) if self.store.check([name]) else b""
+
+    def read(self, name: str) -> Optional[str]:
+        """The record's value; None when absent. A forged record reads as the last valid value seen here."""
+        raw = self._raw(name)
+        if not raw:
+            return None
+        value = self._unpack(name, raw)
+        if value is None:
+            return self._last.get(name)
+        self._last[name] = value
+        return value
+
+    def write(self, name: str, value: str) -> None:
+        self.store.set(name, self._pack(name, value))
+        self._last[name] = value
+
+    def claim(self, name: str, value: str) -> Optional[str]:
+        """First valid writer wins: the winning value (`value` when it is ours). A forged occupant is replaced;
+        None if someone keeps replacing it (an attacker on the store: the claim is not made)."""
+        mine = self._pack(name, value)
+        expected = b""
+        for _ in range(_CAS_TRIES):
+            got = bytes(self.store.compare_set(name, expected, mine))
+            if got == mine:
+                self._last[name] = value
+                return value
+            theirs = self._unpack(name, got) if got else None
+            if theirs is not None:
+                self._last[name] = theirs
+                return theirs
+            expected = got
+        return None
+
+    def update(self, name: str, fn: Callable[[Optional[str]], str]) -> str:
+        """Atomically replace the value by fn(current) (compare-and-set; current None when absent, the last
+        valid value seen when the record is forged); returns the value written."""
+        for _ in range(_CAS_TRIES):
+            raw = self._raw(name)
+            current = self._unpack(name, raw) if raw else None
+            if raw and current is None:
+                current = self._last.get(name)
+            new = fn(current)
+            packed = self._pack(name, new)
+            if bytes(self.store.compare_set(name, raw, packed)) == packed:
+                self._last[name] = new
+                return new
+        raise auth.AuthError(f"the coordination store record {name!r} keeps changing under this agent "
+                             "(something outside the job writes it)")
+
+    # ------------------------------------------------------------ per-node marks with a counter as hint
+    def mark(self, name: str, node: int, on: bool = True) -> None:
+        """Set (or take back) this node's signed mark `name`; the plain counter `name` moves with it."""
+        self.write(K.node_mark(name, node), "1" if on else "0")
+        self.store.add(name, 1 if on else -1)
+
+    def count(self, name: str, nodes: Sequence[int]) -> int:
+        """How many of `nodes` set mark `name`. The counter says when it is worth checking the signed marks: below
+        len(nodes) it is returned as is (an upper bound: it may include nodes outside the job that marked)."""
+        hint = int(self.store.add(name, 0))
+        if hint < len(nodes):
+            return max(hint, 0)
+        marked = 0
+        for node in nodes:
+            if self._marked(name, node):
+                marked += 1
+        if marked < len(nodes) and hint > len(nodes):
+            # more counted than marked: forged, unless nodes outside the job now (lost, dropped) marked too
+            outside = [n for n in range(max(nodes, default=-1) + 1 + hint) if n not in nodes]
+            if marked + sum(self._marked(name, n) for n in outside) < hint:
+                self._forged(name)
+        return marked
+
+    def _marked(self, name: str, node: int) -> bool:
+        mark = K.node_mark(name, node)
+        raw = self._raw(mark)
+        return bool(raw) and self._unpack(mark, raw) == "1"
