@@ -213,7 +213,7 @@ class Agent:
                                          node_rank=rdzv.node_rank, on_forged=lambda msg: post(("forged", msg)),
                                          incarnation=rdzv.incarnation, nodes=lambda: rdzv.nodes)
         if rdzv.store_host:
-            self.wstores = stores.WorkerStores(rdzv.bind_addr)   # loopback on one node (README, Security)
+            self.wstores = stores.WorkerStores(rdzv.bind_addr)   # loopback on one node (docs/security.md)
         self.tee = Tee(on_problem=lambda message: post(("output_dropped", message)))
         if cfg.inprocess_restart or cfg.health_check != "none":   # the socket also takes injected GPU events
             self.control = ControlServer()

@@ -142,7 +142,7 @@ OFF = "off"
       help="Seconds between NVML polls (ECC, row remap, throttling).")
 @oopt("--job-secret-file", default=None, show_default="$HYPERPODRUN_JOB_SECRET, else one of our own per job",
       help="File with the job secret, the same on every node (or HYPERPODRUN_JOB_SECRET); authenticates "
-           "peer copies and the agents' store records. See README, Security.")
+           "peer copies and the agents' store records. See docs/security.md.")
 @oopt("--pre-train-script", default=None, show_default="none", help="Run before the workers start (once per node).")
 @oopt("--pre-train-args", default="", show_default="none",
       help="Arguments of the pre-train script (one shell-quoted string).")

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 from hyperpodrun.errors import ConfigError
 
-# ours (documented in the README, "Worker environment")
+# ours (documented in docs/flags.md, "Worker environment")
 HYPERPODRUN_CONTROL = "HYPERPODRUN_CONTROL"            # ipc:// endpoint of the agent's control server
 HYPERPODRUN_RUN_DIR = "HYPERPODRUN_RUN_DIR"            # the run's log directory
 HYPERPODRUN_GENERATION = "HYPERPODRUN_GENERATION"      # restart generation this process was started in
@@ -28,7 +28,7 @@ HYPERPODRUN_JOB_KEY = "HYPERPODRUN_JOB_KEY"            # hex of the workers' key
 #: the folder with the workers' sitecustomize (the roll call in torch's init_process_group), first on PYTHONPATH
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 
-# the product note's Tier-1 switches (stock PyTorch knows neither; see README "Rootless bootstrap")
+# the product note's Tier-1 switches (stock PyTorch knows neither; see docs/deployment.md, "Rootless bootstrap")
 HPCT_USE_ROOTLESS = "HPCT_USE_ROOTLESS"
 TORCH_SKIP_TCPSTORE = "TORCH_SKIP_TCPSTORE"
 
@@ -112,7 +112,7 @@ def worker_env(
 
 
 #: on one node the workers' own listeners (gloo's pairs, NCCL's bootstrap sockets) stay on the loopback interface
-#: (README, Security): without these, gloo listens on the address the host name resolves to - a routable one
+#: (docs/security.md): without these, gloo listens on the address the host name resolves to - a routable one
 #: on many clusters - although every peer is on this host. NCCL's NVLink/P2P/SHM transports do not use them.
 LOOPBACK_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 LOOPBACK_IFNAME = "lo"

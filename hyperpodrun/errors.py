@@ -18,7 +18,7 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-# Documented exit codes (README "Exit codes").
+# Documented exit codes (docs/exit-codes.md).
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_AGENT_ERROR = 1

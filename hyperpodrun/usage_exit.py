@@ -1,6 +1,6 @@
 """A usage error of the worker API (a bad CacheResumeMMAPConfig, CheckpointManager argument, a missing optional
 dependency, ...) that the user's script does not catch ends a worker started by hyperpodrun the way a bad
-launcher flag ends hyperpodrun: one line naming the problem and the fix, exit code 2 (README "Exit codes"),
+launcher flag ends hyperpodrun: one line naming the problem and the fix, exit code 2 (docs/exit-codes.md),
 not a traceback. Any other uncaught exception goes to the previous hook, unchanged."""
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 
 # The product note's Tier-1 switches. Stock PyTorch reads neither; hyperpodrun accepts both and they change
-# nothing further: its workers always get an agent-hosted store per restart generation (README, "Rootless
+# nothing further: its workers always get an agent-hosted store per restart generation (docs/deployment.md, "Rootless
 # bootstrap"). Kept so that scripts written for the note run unchanged.
 export HPCT_USE_ROOTLESS="${HPCT_USE_ROOTLESS:-1}"
 export TORCH_SKIP_TCPSTORE="${TORCH_SKIP_TCPSTORE:-1}"

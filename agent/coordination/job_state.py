@@ -12,7 +12,7 @@ Every record that changes the job's fate is signed with a key derived from the j
 and the budget spent, the failure record, the workers' store port, and the per-node completion and
 barrier marks. The store itself authenticates nobody (as torchrun's), so a record someone else wrote is
 ignored - reported once as `forged_record` - and a counter is only a hint whose count is confirmed
-through signed per-node marks. What a store writer can still do is listed in the README, Security.
+through signed per-node marks. What a store writer can still do is listed in the docs/security.md.
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class LocalRendezvous:
 
     def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
         run_id = str(uuid.uuid4()) if cfg.rdzv_id == "none" else cfg.rdzv_id
-        # the workers' store listens on loopback only; MASTER_ADDR must lead there (README, Security)
+        # the workers' store listens on loopback only; MASTER_ADDR must lead there (docs/security.md)
         return RendezvousInfo(node_rank=0, nnodes=1, rank_offset=0, world_size=cfg.nproc_per_node, run_id=run_id,
                               master_addr=netaddr.single_node_master(cfg.master_addr),
                               store=stores.prefixed(K.run_prefix(run_id), stores.local_store()),
@@ -378,5 +378,5 @@ def agree_secret(store: KVStore, given: Optional[bytes], run_id: str, where: str
                               f"{fix}")
     warning = (f"no job secret was given: the nodes agreed on one through the coordination store at {where}, so the "
                "peer-copy receivers and the job's signed store records trust anyone who can reach that store. "
-               f"To fix this, {fix}; see README, Security")
+               f"To fix this, {fix}; see docs/security.md")
     return got.removeprefix("agreed:").encode(), warning

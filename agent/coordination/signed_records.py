@@ -33,7 +33,7 @@ class Forgeries:
                 return
             self._seen.add(name)
         self._report(f"ignored the coordination store record {name!r}: it is not signed with the job's key "
-                     "(written by something outside the job; see README, Security)")
+                     "(written by something outside the job; see docs/security.md)")
 
 
 class SignedRecords:

@@ -130,7 +130,7 @@ class WorkerLauncher:
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in self.cfg.signals_to_handle)
         if self.cfg.inprocess_restart:
             for name in inprocess_env_overrides(env):
-                log.warning("%s=%s is set: under --inprocess-restart hyperpodrun would set %s=%s (README, Worker "
+                log.warning("%s=%s is set: under --inprocess-restart hyperpodrun would set %s=%s (docs/flags.md, Worker "
                             "environment); keeping your value", name, env[name], name, INPROCESS_NCCL_DEFAULTS[name])
         return env
 

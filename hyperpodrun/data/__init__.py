@@ -2,7 +2,7 @@
 
 `CacheResumeMMAPConfig` configures it, `MMAPDataLoader` serves a loader's batches by step
 (`for step, batch in loader.iter_from(start)`), `MMAPDataModule` wraps a Lightning data module, and
-`ResumableSampler` makes a plain DataLoader resumable at any step. See the README, "MMAP data cache".
+`ResumableSampler` makes a plain DataLoader resumable at any step. See docs/mmap-data.md.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from hyperpodrun.launch.flag_syntax import (ACCEPTED_ONLY, STD_ALL, STD_ERR, STD
 from hyperpodrun.launch.host_checks import (count_workers, default_log_dir, own_address, private_log_base, standby_auto,
                                      temp_log_base)
 
-# Bounds of the numeric flags (README, Flags). A value past them is a typo or an overflow, never a job: an
+# Bounds of the numeric flags (docs/flags.md). A value past them is a typo or an overflow, never a job: an
 # agent asked for 10**20 workers would grow until the OOM killer ends it, a timeout of 1e400 s never fires.
 #: workers per node (the largest machines have a few hundred CPU cores; a GPU node has 8-16 GPUs)
 MAX_NPROC_PER_NODE = 1024
@@ -111,7 +111,7 @@ def _refuse_unsupported(flags: dict[str, Any]) -> None:
     """The refused torchrun flags, and the accepted-only ones with a value they do not take."""
     for key, (flag, why) in UNSUPPORTED.items():
         if flags.pop(key, None):
-            raise ConfigError(f"{flag} is not supported by hyperpodrun ({why}); drop it (see README, "
+            raise ConfigError(f"{flag} is not supported by hyperpodrun ({why}); drop it (see docs/flags.md, "
                               "'Differences from torchrun')")
     handler = flags.pop("event_log_handler", None)
     if handler not in ACCEPTED_ONLY["event_log_handler"]:

@@ -21,7 +21,7 @@ STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
 UNSUPPORTED = {
     "numa_binding": ("--numa-binding", "NUMA binding of the workers is not implemented"),
     "virtual_local_rank": ("--virtual-local-rank", "LOCAL_RANK is always the real local rank"),
-    "logs_specs": ("--logs-specs", "hyperpodrun has its own log layout (README, Logs)"),
+    "logs_specs": ("--logs-specs", "hyperpodrun has its own log layout (docs/logs.md)"),
     "duplicate_stdout_filters": ("--duplicate-stdout-filters", "not implemented"),
     "duplicate_stderr_filters": ("--duplicate-stderr-filters", "not implemented"),
 }

@@ -11,7 +11,7 @@ Transport: one TCP connection per sender to the peer's receiver thread, whose ad
 generation's store. Sending runs in a background thread and only the newest slot is sent: a slow network
 makes copies lag (they are then older than the newest step and simply not used), never slows the step.
 
-Security (README, Security): the receiver listens on the job's interface only (netaddr.py), and every
+Security (docs/security.md): the receiver listens on the job's interface only (netaddr.py), and every
 connection starts with a mutual HMAC challenge-response on a key derived from the workers' key the agent
 hands down (HYPERPODRUN_JOB_KEY); nothing else is read before the sender has proved it knows it, and the
 sender sends nothing to a receiver that does not. Every copy then carries a MAC under the connection's
