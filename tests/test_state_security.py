@@ -415,7 +415,7 @@ def test_a_fresh_start_refuses_state_this_rank_already_trained(env, monkeypatch)
     simply start over; objects this rank already trained (built outside it) cannot be rewound: exit 75 with a
     message that says what to do, never a silent mix of trained and fresh state."""
     import types
-    from hyperpodrun.state import checkpoint as ckpt
+    from hyperpodrun.state import restoring as ckpt   # where restore() finds its gather
     from hyperpodrun.errors import StateLostError
     cm = CheckpointManager(shm_dir=str(env))
     cm.attach(types.SimpleNamespace(iteration=0, store=None), None)

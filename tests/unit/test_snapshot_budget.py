@@ -238,16 +238,16 @@ def test_the_interval_counts_from_the_seal_so_steps_without_a_snapshot_in_flight
     import threading
 
     from hyperpodrun import CheckpointManager
-    from hyperpodrun.state import checkpoint
+    from hyperpodrun.state.slots import snapshot_copy as copying
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(OverheadBudget, "_update", lambda self: setattr(self, "interval", 2))
     gate = threading.Event()
-    real = checkpoint.copying.finish_copies
+    real = copying.finish_copies
 
     def slow(*a, **kw):                      # the first snapshot's copy lasts until the gate opens
         assert gate.wait(30)
         return real(*a, **kw)
-    monkeypatch.setattr(checkpoint.copying, "finish_copies", slow)
+    monkeypatch.setattr(copying, "finish_copies", slow)
     model = torch.nn.Linear(4, 4)
     cm = CheckpointManager(shm_dir=str(tmp_path))
     cm._on_gpu = True
