@@ -1,4 +1,4 @@
-"""Worker of the checkpointless GPU benchmark (run by gpu_checkpointless.py under hyperpodrun).
+"""Worker of the checkpointless GPU benchmark (run by `scripts/bench/gpu.sh checkpointless` under hyperpodrun).
 
 --measure: steady-state step time of a >= 1B-parameter model with AdamW, DDP or FSDP2, in rounds of
   blocks without snapshots, with synchronous snapshots and with offloaded snapshots, all in one process

@@ -1,4 +1,4 @@
-"""Summarise the checkpointless GPU benchmark (gpu_checkpointless.sh) into ckpt-summary.json / .md."""
+"""Summarise the checkpointless GPU benchmark (scripts/bench/gpu.sh checkpointless) into ckpt-summary.json / .md."""
 from __future__ import annotations
 
 import glob

@@ -1,6 +1,7 @@
-# Sourced by the GPU benchmark scripts (run from the repository root): puts this checkout (as installed) and the wheels
-# in ./.whl (pyzmq, pydantic, where the machine lacks them) on PYTHONPATH, a `hyperpodrun` command on PATH,
-# and records the machine in $OUT/machine.txt.
+# The GPU machine set-up, sourced by scripts/bench/gpu.sh for every sequence (or by hand before running a
+# Python benchmark directly), from the repository root: puts this checkout (as installed) and the wheels in ./.whl
+# (pyzmq, pydantic, nvidia-resiliency-ext: what the machine lacks) on PYTHONPATH, a `hyperpodrun` command on PATH,
+# sets NCCL_NVLS_ENABLE=0, and records the machine in $OUT/machine.txt (OUT: gpu.sh names it; by hand, bench-out).
 OUT="${OUT:-bench-out}"
 mkdir -p "$OUT" /tmp/bin
 # hyperpodrun as it is installed (agent/ is the package hyperpodrun.agent): a tree of links to this checkout

@@ -53,7 +53,7 @@ process still carrying it is killed by pid, found through /proc/<pid>/environ.
         --faults 2 --nproc 2 --out DIR                                   # CPU, gloo, about 30 s
     python3 scripts/bench/state_tier.py --size 1b --model mlp,gpt --kinds none,raise,kill \\
         --only kill=none,readme,inside --only none=none,readme,inside,bare --out DIR   # one H200
-    (scripts/bench/gpu_state_tier.sh: the whole GPU sequence in one go)
+    (scripts/bench/gpu.sh state-tier: the whole GPU sequence in one go)
 """
 from __future__ import annotations
 
