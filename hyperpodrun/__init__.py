@@ -2,6 +2,11 @@
 
 Importing this package is cheap: it loads neither the agent nor Lightning. The runtime API
 (HPWrapper, CheckpointManager, ...) is imported lazily on first attribute access.
+
+The house (docs/ARCHITECTURE.md, "Layout"): here the CLI, the contracts every side shares (env, protocol,
+errors, auth, safe_fs, netaddr, netwatch) and the tools; `launch` (flags -> LaunchConfig), `runtime` (the
+in-process protocol in the workers), `state` (the checkpointless state tier), `data` (the MMAP cache),
+`integrations` (Hugging Face), `agent` (the node agent, from the agent/ folder).
 """
 from __future__ import annotations
 
