@@ -38,7 +38,7 @@ def child(variant: str, dim: int, layers: int, batch: int) -> dict:
     import torch.nn as nn
     sys.path.insert(0, str(ROOT))
     import hyperpodrun.runtime.wrapper  # noqa: F401
-    from agent import kernel_warm, zygote
+    from hyperpodrun.agent.workers import kernel_warm, zygote
     out: dict = {"variant": variant, "import_s": round(time.monotonic() - t0, 3)}
     t = time.monotonic()
     torch.cuda.set_device(0)
