@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(variant: str, dim: int, layers: int, batch: int) -> dict:
@@ -36,8 +35,7 @@ def child(variant: str, dim: int, layers: int, batch: int) -> dict:
     import torch
     import torch._dynamo  # noqa: F401  (a standby's zygote imports it: HPWrapper does)
     import torch.nn as nn
-    sys.path.insert(0, str(ROOT))
-    import hyperpodrun.runtime.wrapper  # noqa: F401
+    import hyperpodrun.runtime.wrapper  # noqa: F401  (hyperpodrun as installed: gpu.sh's PYTHONPATH)
     from hyperpodrun.agent.workers import kernel_warm, zygote
     out: dict = {"variant": variant, "import_s": round(time.monotonic() - t0, 3)}
     t = time.monotonic()
