@@ -6,7 +6,7 @@ after the fault, while the script it becomes builds its model (random init, cast
 (matmuls forward and backward, activations, norms, attention, losses, the optimizer). Loading them here,
 ahead of the fault, moves that time out of recovery; the tensors are tiny (64 x 64; attention 1 x 2 heads x
 256 tokens with head dims 64 and 128), so the GPU memory a standby holds stays its context plus cuBLAS's
-workspace (measured in scripts/bench/gpu_standby_warm.py).
+workspace (measured in scripts/bench/gpu/gpu_standby_warm.py).
 
 What runs, per dtype (fp32, bf16, fp16), in STEPS: the init kernels (nn.init, randn/rand/randint); a small
 transformer block's pieces forward and backward (embedding, linear, layer_norm, rms_norm, gelu/silu/relu,

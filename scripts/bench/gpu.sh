@@ -196,15 +196,15 @@ stages_recovery_all() {
 }
 
 # the stages of recovery-fast, each with the same script and schedule; KINDS (raise,kill):
-#   p   scripts/bench/gpu_restart_phases.py: NCCL abort variants, restore copy paths, gc (PHASES=0 skips it;
+#   p   scripts/bench/gpu/gpu_restart_phases.py: NCCL abort variants, restore copy paths, gc (PHASES=0 skips it;
 #       PHASE_REPS 3, PHASES_S 240)
 #   c1  hyperpodrun --inprocess-restart --standby-workers 1, and the calibration job
 #   c1i (INLINE_FAULTS > 0) hyperpodrun in-process with HYPERPODRUN_NCCL_ABORT_BACKGROUND=0 (the NCCL abort in
 #       the restarting thread: the fallback), exceptions only
 #   c1s (STAGED_RUN=1) c1 again with CheckpointManager(stage_on_device=True), c1's calibration
 #   c2  torchrun, c1's calibration
-# Before them, where asked: OVERHEAD=1 the snapshot overhead (o, scripts/bench/gpu_snapshot_overhead.py,
-# OVERHEAD_ARGS, OVERHEAD_S 300), STANDBY_MEM=1 a standby's memory (m, scripts/bench/gpu_standby_memory.py),
+# Before them, where asked: OVERHEAD=1 the snapshot overhead (o, scripts/bench/gpu/gpu_snapshot_overhead.py,
+# OVERHEAD_ARGS, OVERHEAD_S 300), STANDBY_MEM=1 a standby's memory (m, scripts/bench/gpu/gpu_standby_memory.py),
 # TORCH_API=1 what this torch offers to shrink or revoke a group (t).
 TORCH_API_PY="
 import torch, torch.distributed as d, torch.distributed.distributed_c10d as c, torch._C._distributed_c10d as cc
@@ -218,10 +218,10 @@ stages_recovery_fast() {
   local common=(--gpu --interval 8 --warmup 10 --kinds "${KINDS:-raise,kill}") cal
   x mkdir -p "$W/p" "$W/o" "$W/m" "$W/t"
   [ "${TORCH_API:-0}" = 1 ] && stage t python3 -c "$TORCH_API_PY" > "$(to "$W/t/torch-api.txt")" 2>&1
-  [ "${OVERHEAD:-0}" = 1 ] && stage o timeout "${OVERHEAD_S:-300}" python3 scripts/bench/gpu_snapshot_overhead.py \
+  [ "${OVERHEAD:-0}" = 1 ] && stage o timeout "${OVERHEAD_S:-300}" python3 scripts/bench/gpu/gpu_snapshot_overhead.py \
     --out "$W/o" ${OVERHEAD_ARGS:-}
-  [ "${STANDBY_MEM:-0}" = 1 ] && stage m timeout 300 python3 scripts/bench/gpu_standby_memory.py --out "$W/m"
-  [ "${PHASES:-1}" = 0 ] || stage p timeout "${PHASES_S:-240}" python3 scripts/bench/gpu_restart_phases.py \
+  [ "${STANDBY_MEM:-0}" = 1 ] && stage m timeout 300 python3 scripts/bench/gpu/gpu_standby_memory.py --out "$W/m"
+  [ "${PHASES:-1}" = 0 ] || stage p timeout "${PHASES_S:-240}" python3 scripts/bench/gpu/gpu_restart_phases.py \
     --reps "${PHASE_REPS:-3}" --out "$W/p/phases.json"
   stage c1 python3 scripts/bench/recovery.py "${common[@]}" --out "$W/c1" --systems hpr-inprocess --faults "$FAULTS_HPR"
   cal=$(calibration) || cal=""
@@ -245,7 +245,7 @@ stages_recovery_fast() {
 
 # the stages of standby-warm (agent/workers/kernel_warm.py), side by side; KINDS (kill), INTERVAL (8: steps
 # between faults):
-#   w    scripts/bench/gpu_standby_warm.py: cold / warm / eager standby processes, the script's top and first
+#   w    scripts/bench/gpu/gpu_standby_warm.py: cold / warm / eager standby processes, the script's top and first
 #        steps (WARM_ROUNDS 3, 0 skips it; WARM_VARIANTS cold,warm,eager; WARM_S 400)
 #   c1   hyperpodrun --inprocess-restart --standby-workers 1 (kernel warm-up on: the default), and the calibration
 #   c1n  the same with HYPERPODRUN_STANDBY_KERNEL_WARM=0, c1's calibration (C1N=0 skips it)
@@ -253,7 +253,7 @@ stages_recovery_fast() {
 stages_standby_warm() {
   local common=(--gpu --interval "${INTERVAL:-8}" --warmup 10 --kinds "${KINDS:-kill}") cal
   x mkdir -p "$W/w"
-  [ "${WARM_ROUNDS:-3}" -gt 0 ] && stage w timeout "${WARM_S:-400}" python3 scripts/bench/gpu_standby_warm.py \
+  [ "${WARM_ROUNDS:-3}" -gt 0 ] && stage w timeout "${WARM_S:-400}" python3 scripts/bench/gpu/gpu_standby_warm.py \
     --out "$W/w" --rounds "${WARM_ROUNDS:-3}" --variants "${WARM_VARIANTS:-cold,warm,eager}"
   stage c1 python3 scripts/bench/recovery.py "${common[@]}" --out "$W/c1" --systems hpr-inprocess --faults "$FAULTS_HPR"
   cal=$(calibration) || cal=""
@@ -312,7 +312,7 @@ seq_state_tier() {
 # Knobs: STRATEGIES (ddp fsdp2), MEASURE_TIMEOUT (240 s), RESTORE_TIMEOUT (240 s), EXTRA (worker arguments).
 seq_checkpointless() {
   setup
-  local worker=scripts/bench/ckpt_gpu_worker.py shm s
+  local worker=scripts/bench/workers/ckpt_gpu_worker.py shm s
   shm=/dev/shm/hyperpodrun-$(id -u)
   for s in ${STRATEGIES:-ddp fsdp2}; do
     x rm -rf "$shm"
@@ -346,11 +346,11 @@ seq_inprocess() {
   done
 }
 
-# health (was gpu_health.sh): scripts/bench/gpu_health.py on 2 GPUs where nvidia-ml-py is installed; results
+# health (was gpu_health.sh): scripts/bench/gpu/gpu_health.py on 2 GPUs where nvidia-ml-py is installed; results
 # $OUT/gpu_health.{json,md}; about 2-3 minutes.
 seq_health() {
   setup
-  x timeout 230 python3 scripts/bench/gpu_health.py "$OUT"
+  x timeout 230 python3 scripts/bench/gpu/gpu_health.py "$OUT"
   echo "== gpu_health exit $?"
 }
 
@@ -377,7 +377,7 @@ seq_restart_noise() {
     x env "$@" SYSTEM=hpr-inprocess DEVICE=cuda DIM=2048 LAYERS=4 BATCH=1024 STEPS=24 STEP_SLEEP=0 CKPT_EVERY=1000 \
       FAULT_KIND=raise FAULT_STEPS=4,9,14 FAULT_RANKS=0 OUT_DIR="$out" \
       timeout 240 hyperpodrun --nproc-per-node 1 --inprocess-restart --standby-workers 1 \
-        --log-dir "$out/logs" scripts/bench/recovery_worker.py > "$(to "$OUT/noise-$name.log")" 2>&1
+        --log-dir "$out/logs" scripts/bench/workers/recovery_worker.py > "$(to "$OUT/noise-$name.log")" 2>&1
     rc=$?
     dry && return 0
     echo "== $name (rc=$rc): $(wc -l < "$OUT/noise-$name.log") console lines, $(cat "$out"/steps.rank0.jsonl 2>/dev/null | wc -l) steps"

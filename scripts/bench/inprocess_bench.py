@@ -1,6 +1,6 @@
 """In-process restart benchmark (issue 3, "Measure"): detection latency, the per-phase restart timeline, and
 recovery side by side with a process-level restart (hyperpodrun without --inprocess-restart) and torchrun,
-all on the same worker script (scripts/bench/inprocess_worker.py: DDP + Adam on an MLP) in one invocation.
+all on the same worker script (scripts/bench/workers/inprocess_worker.py: DDP + Adam on an MLP) in one invocation.
 
 Every fault is planned by the worker itself (one per generation, alternating SIGKILL and exception, the
 victim rank rotating, rank 0 included): it writes time.time() to its record file right before it kills
@@ -69,7 +69,7 @@ from typing import Any, Optional
 from _common import find_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "inprocess_worker.py")
+WORKER = os.path.join(HERE, "workers", "inprocess_worker.py")
 MODES = ("inprocess", "inprocess-asis", "process", "torchrun")
 LABELS = {"inprocess": "hyperpodrun --inprocess-restart (+ workarounds A, B)",
           "inprocess-asis": "hyperpodrun --inprocess-restart (as shipped)",

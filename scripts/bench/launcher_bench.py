@@ -1,4 +1,4 @@
-"""Side-by-side launcher benchmark: hyperpodrun vs torchrun on the same script (scripts/bench/bench_worker.py).
+"""Side-by-side launcher benchmark: hyperpodrun vs torchrun on the same script (scripts/bench/workers/bench_worker.py).
 
 Scenarios (every run of every scenario alternates the launchers, so drift hits both alike):
   startup          launch -> every rank's first line (before `import torch`), and
@@ -41,7 +41,7 @@ from typing import Any, Optional
 from _common import find_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "bench_worker.py")
+WORKER = os.path.join(HERE, "workers", "bench_worker.py")
 SCENARIOS = ("startup", "restart-term", "restart-term-unshared", "restart-ignore")
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-WORKER = HERE / "node_loss_worker.py"
+WORKER = HERE / "workers" / "node_loss_worker.py"
 BIN = Path(sys.executable).parent
 # each node also gets its own UTS namespace and host name: torchrun's c10d rendezvous names a node by host name
 # and pid, and two agents that are pid 3 of their namespaces on one host would be the same node to it

@@ -1,6 +1,6 @@
 """Side-by-side recovery: hyperpodrun vs torchrun + checkpoints vs NVIDIA Resiliency Extension, one command.
 
-The same job (scripts/bench/recovery_worker.py: a DDP MLP with Adam; model, batch and steps fixed by the
+The same job (scripts/bench/workers/recovery_worker.py: a DDP MLP with Adam; model, batch and steps fixed by the
 flags) runs on this machine in this invocation under each system, with the same faults from one seeded
 schedule (--seed): a SIGKILL of one rank, an exception in one rank, a hang of one rank (a Python loop that
 never returns: no step, no collective):
@@ -56,7 +56,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
 from _common import find_launcher  # noqa: E402
 
-WORKER = HERE / "recovery_worker.py"
+WORKER = HERE / "workers" / "recovery_worker.py"
 SYSTEMS = ("torchrun", "hpr-process", "hpr-inprocess", "nvrx")
 KINDS = ("kill", "raise", "hang")
 

@@ -1,7 +1,7 @@
 """State-tier benchmark: what recovery and the steady step cost depending on how the training script is written
 (issue 25), every row of the table in one invocation, for a bf16 MLP and a GPT-style decoder.
 
-Each row is the same training script, scripts/bench/state_tier_worker.py, written one way (--row there; its
+Each row is the same training script, scripts/bench/workers/state_tier_worker.py, written one way (--row there; its
 docstring says how each is written), run as its own job:
 
   none     hyperpodrun --inprocess-restart; HPWrapper only, model and optimizer built outside the function,
@@ -77,7 +77,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import find_launcher  # noqa: E402
 
-WORKER = HERE / "state_tier_worker.py"
+WORKER = HERE / "workers" / "state_tier_worker.py"
 ROWS = ("none", "readme", "inside", "bare", "nvrx")
 KINDS = ("raise", "kill", "none")
 MODELS = ("mlp", "gpt")

@@ -1,7 +1,7 @@
 """The registry half of a background NCCL abort (hyperpodrun/runtime/abort.py, _detach_registry), with real
 torch.distributed groups: once detached, init_process_group works again at once while the old group is still
 alive (parked, not destructed), and it is destructed later by the releaser. The NCCL aborts themselves need
-a GPU (measured in scripts/bench/gpu_restart_phases.py)."""
+a GPU (measured in scripts/bench/gpu/gpu_restart_phases.py)."""
 from __future__ import annotations
 
 import datetime

@@ -183,7 +183,7 @@ def _to_host(view: memoryview, staged: Staged) -> None:
 
     Why paced: a GPU's copy engine serves the device->host copies given to it in order, and one that the
     training makes itself - `loss.item()`, a `.cpu()`, a copy into pinned memory - waits behind all those
-    already queued. Measured on an H200 (scripts/bench/gpu_copy_engine.py): with 6.7 GB queued at once a
+    already queued. Measured on an H200 (scripts/bench/gpu/gpu_copy_engine.py): with 6.7 GB queued at once a
     15 ms step that ends in `.item()` took 0.121 s (the whole copy); with two 64 MiB pieces in flight still
     0.122 s; with one at a time 0.016 s, the copy at 54 GB/s instead of 55. The buffers are ours (the next
     save waits for this one), so nothing the training does waits for this copy."""

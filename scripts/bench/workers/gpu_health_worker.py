@@ -1,4 +1,4 @@
-"""The worker of scripts/bench/gpu_health.py: an NCCL all-reduce loop under HPWrapper that records which GPU it is on.
+"""The worker of scripts/bench/gpu/gpu_health.py: an NCCL all-reduce loop under HPWrapper that records which GPU it is on.
 
 Generation 0 trains until a fault moves the job on (a cap of --cap seconds ends it with exit 97); every later
 generation trains --steps steps and returns. One JSON line per record in OUT/rank<r>.jsonl:

@@ -2,7 +2,7 @@
 """GPU health on a GPU machine (2 GPUs, NVML): the monitor against the real devices, its CPU cost, and injected XIDs
 in NCCL jobs under `hyperpodrun --inprocess-restart`.
 
-    python3 scripts/bench/gpu_health.py [OUT_DIR]          (default: $OUT, else bench-out)
+    python3 scripts/bench/gpu/gpu_health.py [OUT_DIR]          (default: $OUT, else bench-out)
 
 Needs `hyperpodrun` next to this Python or on PATH, the repository importable (it adds its own root), torch with
 CUDA and nvidia-ml-py. Writes OUT_DIR/gpu_health.json (every measurement and check; "ok" is true when all checks
@@ -39,14 +39,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]   # hyperpodrun itself: installed, or from gpu_env.sh's PYTHONPATH
+sys.path[:0] = [str(HERE.parent)]   # hyperpodrun itself: installed, or from gpu_env.sh's PYTHONPATH
 
 from _common import find_launcher  # noqa: E402
 from hyperpodrun.agent.health.nvml_backend import load_nvml  # noqa: E402
 from hyperpodrun.agent.health.nvml_monitor import NvmlMonitor  # noqa: E402
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "bench-out")).resolve()
-WORKER = HERE / "gpu_health_worker.py"
+WORKER = HERE.parent / "workers" / "gpu_health_worker.py"
 T0 = time.monotonic()
 BUDGET = float(os.environ.get("GPU_HEALTH_BUDGET_S", "170"))
 CLK = os.sysconf("SC_CLK_TCK")

@@ -132,7 +132,7 @@ def note(ev: str, **fields: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------ models
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # scripts/bench: bench_models
 from bench_models import GPT, mlp  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """What a standby's kernel warm-up saves a replacement rank, and what it costs, on one GPU.
 
-    python3 scripts/bench/gpu_standby_warm.py --out DIR [--rounds 3] [--dim 8192 --layers 16 --batch 8192]
+    python3 scripts/bench/gpu/gpu_standby_warm.py --out DIR [--rounds 3] [--dim 8192 --layers 16 --batch 8192]
         [--variants cold,warm,eager]
 
 Each round starts one fresh process per variant (in turn, so drift hits them alike). A process first does
@@ -9,7 +9,7 @@ what a standby does before a fault, then what the script it becomes does after o
   warm   the same, then agent/kernel_warm.warm() (in line here; a standby runs it in a thread once ready)
   eager  CUDA_MODULE_LOADING=EAGER: every kernel of every library loaded with the context (for comparison)
 then, timed: the recovery benchmark's model built on the GPU (LAYERS x DIM^2 MLP, initialised on the device
-in fp32, cast to bf16, Adam: what scripts/bench/recovery_worker.py's top does before HPWrapper - the part of
+in fp32, cast to bf16, Adam: what scripts/bench/workers/recovery_worker.py's top does before HPWrapper - the part of
 death -> READY that is the script's), its first training step (forward, backward, Adam; it makes Adam's
 state) and its second step (the steady state). Also per process, after its preparation: the GPU memory
 NVML charges to it and torch's reserved memory, and its host RSS.

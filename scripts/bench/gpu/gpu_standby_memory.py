@@ -1,8 +1,8 @@
 """What a standby worker costs while it waits: GPU memory, host memory, per process, measured on a live job.
 
-    python3 scripts/bench/gpu_standby_memory.py --out DIR [--dim 8192 --layers 16 --batch 8192]
+    python3 scripts/bench/gpu/gpu_standby_memory.py --out DIR [--dim 8192 --layers 16 --batch 8192]
 
-Runs the recovery benchmark's job (scripts/bench/recovery_worker.py, SYSTEM=hpr-inprocess, one rank,
+Runs the recovery benchmark's job (scripts/bench/workers/recovery_worker.py, SYSTEM=hpr-inprocess, one rank,
 snapshots after every step) under `hyperpodrun --inprocess-restart --standby-workers 1`, waits until the
 standby is ready and the rank has saved snapshots for a while (so the standby has mapped and registered
 the slot files), then samples, for the rank, the standby and the zygote: the GPU memory NVML charges to the
@@ -94,7 +94,7 @@ def main() -> None:
     env = {**os.environ, "SYSTEM": "hpr-inprocess", "DEVICE": args.device, "DIM": args.dim, "LAYERS": args.layers,
            "BATCH": args.batch, "STEPS": "100000", "STEP_SLEEP": "0", "OFFLOAD": "1", "OUT_DIR": str(tmp)}
     cmd = ["hyperpodrun", "--nproc-per-node", "1", "--log-dir", str(logs), "--rdzv-id", "job",
-           "--inprocess-restart", "--standby-workers", "1", str(HERE / "recovery_worker.py")]
+           "--inprocess-restart", "--standby-workers", "1", str(HERE.parent / "workers" / "recovery_worker.py")]
     job = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         ready = wait_for("the standby to be ready", lambda: next(

@@ -14,7 +14,7 @@ Each section runs in a child process of its own (a failing or hanging one loses 
 must be set before the first process group), each measurement --reps times (median, min-max); what fails is
 recorded with its error. GB are 1e9 bytes. Without a GPU: one line, exit code 2.
 
-    NCCL_NVLS_ENABLE=0 python3 scripts/bench/gpu_restart_phases.py --out bench-out/phases.json
+    NCCL_NVLS_ENABLE=0 python3 scripts/bench/gpu/gpu_restart_phases.py --out bench-out/phases.json
 """
 import argparse
 import ctypes

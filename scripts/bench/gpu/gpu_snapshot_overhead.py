@@ -1,6 +1,6 @@
 """Steady-state cost of CheckpointManager snapshots on a GPU, every configuration in one process and one run.
 
-    python3 scripts/bench/gpu_snapshot_overhead.py --out DIR [--dim 8192 --layers 16 --batch 8192]
+    python3 scripts/bench/gpu/gpu_snapshot_overhead.py --out DIR [--dim 8192 --layers 16 --batch 8192]
         [--every 1,2,4,8] [--rounds 2] [--steps 16] [--configs NAME,...]
 
 One process, one GPU, the recovery benchmark's model (LAYERS x DIM² bf16 MLP, Adam, batches made on the
@@ -32,7 +32,7 @@ import time
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 from hyperpodrun import CheckpointManager  # noqa: E402
 from hyperpodrun.state.slots import slot_checksum

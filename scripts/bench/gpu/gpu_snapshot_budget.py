@@ -1,6 +1,6 @@
 """The steady cost of `save()` after every step under the default overhead budget, on a GPU, in one process.
 
-    python3 scripts/bench/gpu_snapshot_budget.py --out DIR --model mlp|gpt [--rounds 3] [--steps 40]
+    python3 scripts/bench/gpu/gpu_snapshot_budget.py --out DIR --model mlp|gpt [--rounds 3] [--steps 40]
         [--configs none,default,normalprio,fixed8] [--size 1b|tiny] [--device cuda|cpu]
 
 The script is written the way the README writes one: `CheckpointManager()` with its defaults, the model and a
@@ -37,8 +37,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))                     # gpu_snapshot_overhead
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))           # bench_models
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))   # hyperpodrun
 
 from bench_models import GPT, mlp  # noqa: E402
 from gpu_snapshot_overhead import check_slot  # noqa: E402

@@ -1,6 +1,6 @@
 """What a snapshot's device->host copy does to the training step running beside it, on one GPU.
 
-    python3 scripts/bench/gpu_copy_engine.py --out DIR [--mb 6400] [--rounds 5]
+    python3 scripts/bench/gpu/gpu_copy_engine.py --out DIR [--mb 6400] [--rounds 5]
 
 The question: a step that follows a snapshot is ~25 ms slower than the others, although its own kernels do
 not wait for the snapshot. The suspect is the copy engine: the step ends with `loss.item()`, a small

@@ -10,7 +10,7 @@ For a ~1 B-parameter model with fused AdamW (bf16 MLP or GPT-style decoder), mea
               tensors), from the own slot (DMA through the registered mapping), with restore_phases
   norms       torch._foreach_norm over the state's tensors, float64 vs float32 accumulation
 
-Usage: python scripts/bench/gpu_state_paths.py --model gpt --out DIR   (CUDA required; --size tiny runs on CPU)
+Usage: python scripts/bench/gpu/gpu_state_paths.py --model gpt --out DIR   (CUDA required; --size tiny runs on CPU)
 """
 from __future__ import annotations
 
