@@ -27,7 +27,12 @@ def test_wheel_has_no_top_level_agent_package(tmp_path: Path) -> None:
     top = sorted(p.name for p in target.iterdir())
     assert "agent" not in top and "agent.py" not in top, top
     assert (target / "hyperpodrun" / "agent" / "agent.py").is_file(), top
-    assert (target / "hyperpodrun" / "agent" / "zygote.py").is_file()
+    assert (target / "hyperpodrun" / "agent" / "workers" / "zygote.py").is_file()
+    # every package of the source tree is in the distribution (pyproject lists them one by one)
+    ours = {p.parent.relative_to(ROOT / "hyperpodrun") for p in (ROOT / "hyperpodrun").rglob("__init__.py")}
+    ours |= {Path("agent") / p.parent.relative_to(ROOT / "agent") for p in (ROOT / "agent").rglob("__init__.py")}
+    installed = {p.parent.relative_to(target / "hyperpodrun") for p in (target / "hyperpodrun").rglob("__init__.py")}
+    assert ours <= installed, f"packages missing from the distribution (pyproject.toml, packages): {ours - installed}"
     # the installed copy imports on its own (not through the checkout)
     env = dict(os.environ, PYTHONPATH=str(target))
     out = subprocess.run([sys.executable, "-c", "import hyperpodrun.agent.agent as a; print(a.__file__)"],
