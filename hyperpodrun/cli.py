@@ -22,6 +22,7 @@ SUBCOMMANDS = ("logs", "inject")
 EPILOG = "\b\nRefused torchrun flags and values (exit 2, one line):\n" + "\n".join(
     f"  {flag}: {why}" for flag, why in UNSUPPORTED.values()) + """
   --rdzv-backend other than static, c10d (etcd, etcd-v2): not supported yet
+  --logs-specs other than default: no LogsSpecs plugin is loaded (hyperpodrun's own log layout, docs/logs.md)
   --event-log-handler other than null, console: hyperpodrun writes its own event log
 Accepted with no effect: --start-method, --event-log-handler null|console.
 Arguments after TRAINING_SCRIPT go to it; a first `--` right after it is dropped, as torchrun does.
@@ -113,7 +114,8 @@ OFF = "off"
 @topt("--master-port", default=None, type=click.IntRange(0, 65535), show_default="29500",
       help="Port on node 0 (static rendezvous).")
 @topt("--local-addr", default=None, show_default="this host's FQDN", help="This node's address.")
-@topt("--logs-specs", default=None, hidden=True)
+@topt("--logs-specs", default=None, metavar="default", show_default="default",
+      help="torchrun's LogsSpecs entry point: only default, hyperpodrun's own log layout (docs/logs.md).")
 @topt("--numa-binding", default=None, hidden=True)
 @topt("--virtual-local-rank", is_flag=True, hidden=True, show_default=False)
 @topt("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers.")

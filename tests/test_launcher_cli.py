@@ -83,7 +83,7 @@ BAD_FLAGS = [
     (["--no-python", "-m"], ["--no-python", "--module"]),
     (["--numa-binding", "node"], ["--numa-binding", "not supported"]),
     (["--virtual-local-rank"], ["--virtual-local-rank", "not supported"]),
-    (["--logs-specs", "my_specs"], ["--logs-specs", "not supported"]),
+    (["--logs-specs", "my_specs"], ["--logs-specs 'my_specs'", "accepted: default"]),
     (["--nnodes", "1:2"], ["--nnodes 1:2", "c10d"]),
     (["--rdzv-backend", "etcd"], ["--rdzv-backend", "etcd", "not supported"]),
     (["--no-such-flag"], ["--no-such-flag"]),

@@ -22,9 +22,9 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from hyperpodrun.errors import ConfigError
-from hyperpodrun.launch.flag_syntax import (ACCEPTED_ONLY, STD_ALL, STD_ERR, STD_NONE, STD_OUT, UNSUPPORTED, as_bool,
-                                     parse_conf, parse_endpoint, parse_nnodes, parse_rank_list, parse_signal,
-                                     parse_signal_list, parse_std_map, split_args)
+from hyperpodrun.launch.flag_syntax import (STD_ALL, STD_ERR, STD_NONE, STD_OUT, as_bool, parse_conf, parse_endpoint,
+                                            parse_nnodes, parse_rank_list, parse_signal, parse_signal_list,
+                                            parse_std_map, refuse_unsupported, split_args)
 from hyperpodrun.launch.host_checks import (count_workers, default_log_dir, own_address, private_log_base, standby_auto,
                                      temp_log_base)
 
@@ -105,20 +105,6 @@ def describe_validation_error(exc: ValidationError, sources: Optional[dict[str, 
 
 def _flag_mode(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("flags"))
-
-
-def _refuse_unsupported(flags: dict[str, Any]) -> None:
-    """The refused torchrun flags, and the accepted-only ones with a value they do not take."""
-    for key, (flag, why) in UNSUPPORTED.items():
-        if flags.pop(key, None):
-            raise ConfigError(f"{flag} is not supported by hyperpodrun ({why}); drop it (see docs/flags.md, "
-                              "'Differences from torchrun')")
-    handler = flags.pop("event_log_handler", None)
-    if handler not in ACCEPTED_ONLY["event_log_handler"]:
-        raise ConfigError(f"--event-log-handler {handler!r} is not supported; hyperpodrun writes "
-                          "its own event log (hyperpodrun logs --events)")
-    if flags.pop("start_method", "spawn") not in ACCEPTED_ONLY["start_method"]:
-        raise ConfigError("--start-method must be spawn, fork or forkserver")
 
 
 def _join_timeout(conf: dict[str, str]) -> float:
@@ -297,7 +283,7 @@ class LaunchConfig(BaseModel):
         if not _flag_mode(info) or not isinstance(data, dict):
             return data
         flags = dict(data)
-        _refuse_unsupported(flags)
+        refuse_unsupported(flags)
         _derive_topology(flags)
         flags["rdzv_id"] = flags.get("rdzv_id") or "none"
         for key in ("shutdown_timeout", "log_dir", "job_secret_file", "local_ranks_filter"):

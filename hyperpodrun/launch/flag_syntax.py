@@ -21,7 +21,6 @@ STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
 UNSUPPORTED = {
     "numa_binding": ("--numa-binding", "NUMA binding of the workers is not implemented"),
     "virtual_local_rank": ("--virtual-local-rank", "LOCAL_RANK is always the real local rank"),
-    "logs_specs": ("--logs-specs", "hyperpodrun has its own log layout (docs/logs.md)"),
     "duplicate_stdout_filters": ("--duplicate-stdout-filters", "not implemented"),
     "duplicate_stderr_filters": ("--duplicate-stderr-filters", "not implemented"),
 }
@@ -30,6 +29,33 @@ ACCEPTED_ONLY = {
     "start_method": ("spawn", "fork", "forkserver"),
     "event_log_handler": (None, "null", "console"),
 }
+#: --logs-specs names hyperpodrun honours: `default` (torchrun's entry point for its own LogsSpecs) means hyperpodrun's
+#: own log layout, docs/logs.md; a plugin's class decides paths and tees our agent does not use, so it is refused
+LOGS_SPECS = ("default",)
+
+
+def check_logs_specs(value: Optional[str]) -> None:
+    """`--logs-specs`: not given or `default`; any other name is a ConfigError with the fix."""
+    if value is None or value.strip() in LOGS_SPECS:
+        return
+    raise ConfigError(f"--logs-specs {value!r}: hyperpodrun loads no LogsSpecs plugin, it writes its own log layout "
+                      "(docs/logs.md); accepted: default (or drop the flag)")
+
+
+def refuse_unsupported(flags: dict[str, Any]) -> None:
+    """The refused torchrun flags, and the accepted-only ones with a value they do not take (popped from
+    `flags`, the LaunchConfig input)."""
+    for key, (flag, why) in UNSUPPORTED.items():
+        if flags.pop(key, None):
+            raise ConfigError(f"{flag} is not supported by hyperpodrun ({why}); drop it (see docs/flags.md, "
+                              "'Differences from torchrun')")
+    check_logs_specs(flags.pop("logs_specs", None))
+    handler = flags.pop("event_log_handler", None)
+    if handler not in ACCEPTED_ONLY["event_log_handler"]:
+        raise ConfigError(f"--event-log-handler {handler!r} is not supported; hyperpodrun writes "
+                          "its own event log (hyperpodrun logs --events)")
+    if flags.pop("start_method", "spawn") not in ACCEPTED_ONLY["start_method"]:
+        raise ConfigError("--start-method must be spawn, fork or forkserver")
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

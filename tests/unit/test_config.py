@@ -80,6 +80,8 @@ BAD = [
     (["--local-ranks-filter", "x"], "--local-ranks-filter must be a comma-separated list"),
     (["--no-python", "-m"], "--no-python and -m/--module cannot be used together"),
     (["--numa-binding", "node"], "--numa-binding is not supported by hyperpodrun"),
+    (["--logs-specs", "my_specs"], "--logs-specs 'my_specs': hyperpodrun loads no LogsSpecs plugin"),
+    (["--logs_specs", ""], "--logs-specs '': hyperpodrun loads no LogsSpecs plugin"),
     (["--start-method", "bogus"], "--start-method must be spawn, fork or forkserver"),
     (["--event-log-handler", "syslog"], "--event-log-handler 'syslog' is not supported"),
     (["--standalone", "--nnodes", "2"], "--standalone runs one node"),
@@ -105,6 +107,12 @@ def test_bad_flags_are_one_line(script: str, tmp_path: Path, flags: list[str], l
         _config(["--log-dir", str(tmp_path), *flags, script])
     assert str(err.value).startswith(line), str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag", ["--logs-specs", "--logs_specs"])
+def test_logs_specs_default_is_accepted(script: str, tmp_path: Path, flag: str) -> None:
+    """torchrun's `--logs-specs default` names its own LogsSpecs: hyperpodrun's own layout, no error."""
+    assert _config(["--log-dir", str(tmp_path), flag, "default", script]).entrypoint == script
 
 
 def test_host_checks(script: str, tmp_path: Path) -> None:
