@@ -117,7 +117,8 @@ OFF = "off"
 @topt("--logs-specs", default=None, metavar="default", show_default="default",
       help="torchrun's LogsSpecs entry point: only default, hyperpodrun's own log layout (docs/logs.md).")
 @topt("--numa-binding", default=None, hidden=True)
-@topt("--virtual-local-rank", is_flag=True, hidden=True, show_default=False)
+@topt("--virtual-local-rank", is_flag=True, show_default=OFF,
+      help="Every worker gets LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES naming only its GPU (its entry of yours).")
 @topt("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers.")
 @oopt("--shutdown-timeout", also_env=("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",), default=None, metavar="SECONDS",
       show_default="$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30",

@@ -25,6 +25,9 @@ HYPERPODRUN_HEARTBEAT_INTERVAL = "HYPERPODRUN_HEARTBEAT_INTERVAL"
 HYPERPODRUN_AGENT_PID = "HYPERPODRUN_AGENT_PID"
 HYPERPODRUN_ROOTLESS = "HYPERPODRUN_ROOTLESS"          # "1" when the agent hosts the workers' stores
 HYPERPODRUN_JOB_KEY = "HYPERPODRUN_JOB_KEY"            # hex of the workers' key, derived from the job secret
+#: the worker's real local rank: LOCAL_RANK is 0 for every worker under --virtual-local-rank, and what is the
+#: agent's per-local-rank (slot directories, the HELLO to the agent) reads this one (`real_local_rank`)
+HYPERPODRUN_LOCAL_RANK = "HYPERPODRUN_LOCAL_RANK"
 #: the folder with the workers' sitecustomize (the roll call in torch's init_process_group), first on PYTHONPATH
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 
@@ -77,6 +80,7 @@ def worker_env(
     env = dict(base)
     env.update({
         "LOCAL_RANK": str(who.local_rank),
+        HYPERPODRUN_LOCAL_RANK: str(who.local_rank),
         "RANK": str(who.rank),
         "GROUP_RANK": str(who.group_rank),
         "ROLE_RANK": str(who.rank),
@@ -109,6 +113,40 @@ def worker_env(
         for key, value in INPROCESS_NCCL_DEFAULTS.items():
             env[key] = base.get(key, value)
     return env
+
+
+def virtual_device(local_rank: int, visible: Optional[str]) -> str:
+    """torchrun's --virtual-local-rank: the one CUDA_VISIBLE_DEVICES entry local rank `local_rank` gets - its entry
+    (by position) of `visible`, the CUDA_VISIBLE_DEVICES it would have had, or the local rank itself when that is
+    unset (torch 2.13's LocalElasticAgent._set_local_rank_env). ConfigError when `visible` has no such entry."""
+    if visible is None:
+        return str(local_rank)
+    entries = visible.split(",")
+    if local_rank >= len(entries):
+        raise ConfigError(f"--virtual-local-rank: local rank {local_rank} has no GPU in CUDA_VISIBLE_DEVICES="
+                          f"{visible!r} ({len(entries)} entries); list one GPU per worker there or lower "
+                          "--nproc-per-node")
+    return entries[local_rank].strip()
+
+
+def virtual_local_rank_env(env: Mapping[str, str], local_rank: int) -> dict[str, str]:
+    """What --virtual-local-rank changes in a worker's environment `env`: LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES
+    naming only its own GPU (so `cuda:0` is it). HYPERPODRUN_LOCAL_RANK keeps the real local rank."""
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": virtual_device(local_rank, env.get("CUDA_VISIBLE_DEVICES"))}
+
+
+def real_local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This worker's real local rank: HYPERPODRUN_LOCAL_RANK (set by the agent), else LOCAL_RANK, else 0 - what
+    keys per-local-rank state (slot directories), which --virtual-local-rank must not fold onto rank 0's."""
+    env = os.environ if environ is None else environ
+    for name in (HYPERPODRUN_LOCAL_RANK, "LOCAL_RANK"):
+        text = env.get(name, "").strip()
+        if text:
+            try:
+                return int(text)
+            except ValueError:
+                raise _set_by_us(name, text, "a local rank") from None
+    return 0
 
 
 #: on one node the workers' own listeners (gloo's pairs, NCCL's bootstrap sockets) stay on the loopback interface

@@ -82,7 +82,6 @@ BAD_FLAGS = [
     # refused: conflicting, unsupported, elastic, unknown backend, unknown flag
     (["--no-python", "-m"], ["--no-python", "--module"]),
     (["--numa-binding", "node"], ["--numa-binding", "not supported"]),
-    (["--virtual-local-rank"], ["--virtual-local-rank", "not supported"]),
     (["--logs-specs", "my_specs"], ["--logs-specs 'my_specs'", "accepted: default"]),
     (["--nnodes", "1:2"], ["--nnodes 1:2", "c10d"]),
     (["--rdzv-backend", "etcd"], ["--rdzv-backend", "etcd", "not supported"]),

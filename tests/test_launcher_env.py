@@ -24,6 +24,7 @@ DOCUMENTED_OURS = {
     "HYPERPODRUN_AGENT_PID": "pid of the hyperpodrun agent",
     "HYPERPODRUN_ROOTLESS": "'1': the workers' store is hosted by the agent, a fresh one per generation",
     "HYPERPODRUN_JOB_KEY": "hex of the workers' key (derived from the job secret): authenticates peer copies",
+    "HYPERPODRUN_LOCAL_RANK": "the real local rank (LOCAL_RANK is 0 under --virtual-local-rank)",
     "PYTHONUNBUFFERED": "'1' unless the user set it, so worker lines reach the per-rank files at once",
     "GLOO_SOCKET_IFNAME": "'lo' on one node unless the user set it: gloo listens on loopback only",
     "NCCL_SOCKET_IFNAME": "'lo' on one node unless the user set it: NCCL's bootstrap sockets on loopback only",
@@ -64,17 +65,22 @@ def test_documented_list_matches_env_module():
         assert f'"{name}"' in source, f"{name} is documented in the test but not set in hyperpodrun/env.py"
 
 
-@pytest.mark.parametrize("form", ["default", "standalone", "master-port"])
+@pytest.mark.parametrize("form", ["default", "standalone", "master-port", "virtual-local-rank",
+                                  "virtual_local_rank+CUDA_VISIBLE_DEVICES"])
 def test_worker_env_matches_torchrun(launcher, tmp_path, form):
     """Same script under `hyperpodrun --nproc-per-node 4` and `torchrun --nproc-per-node 4` (also with
-    --standalone, --master-port): every torchrun variable is there with torchrun's value, apart from ports,
-    paths and run ids; ours are documented."""
+    --standalone, --master-port, --virtual-local-rank with and without a CUDA_VISIBLE_DEVICES of the user's):
+    every torchrun variable is there with torchrun's value, apart from ports, paths and run ids; ours are
+    documented."""
     ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "torchrun"
     ours_dir.mkdir()
     theirs_dir.mkdir()
-    flags = {"default": [], "standalone": ["--standalone"], "master-port": ["--master-port", str(free_port())]}[form]
-    ours = launcher.start(["--nproc-per-node", "4", *flags, script("dump_env.py"), ours_dir])
-    theirs = launcher.start(["--nproc-per-node", "4", *flags, script("dump_env.py"), theirs_dir], cmd=[TORCHRUN])
+    flags = {"default": [], "standalone": ["--standalone"], "master-port": ["--master-port", str(free_port())],
+             "virtual-local-rank": ["--virtual-local-rank"]}.get(form, ["--virtual_local_rank"])
+    user = {"CUDA_VISIBLE_DEVICES": "6,GPU-1a2b, 2,0"} if "CUDA" in form else {}
+    ours = launcher.start(["--nproc-per-node", "4", *flags, script("dump_env.py"), ours_dir], env=user)
+    theirs = launcher.start(["--nproc-per-node", "4", *flags, script("dump_env.py"), theirs_dir], cmd=[TORCHRUN],
+                            env=user)
     res_ours, res_theirs = ours.wait(60), theirs.wait(60)
     assert res_ours.rc == 0, res_ours
     assert res_theirs.rc == 0, res_theirs
@@ -108,6 +114,10 @@ def test_worker_env_matches_torchrun(launcher, tmp_path, form):
         assert o["HYPERPODRUN_NODE_RANK"] == o["GROUP_RANK"] == "0"
         assert o["HYPERPODRUN_AGENT_PID"] == str(ours.pid)
         assert o["HYPERPODRUN_HOST"] == socket.gethostname()
+        assert o["HYPERPODRUN_LOCAL_RANK"] == str(rank)
+        if "virtual" in form:   # torchrun's values are compared above; spelt out here
+            assert o["LOCAL_RANK"] == "0"
+            assert o["CUDA_VISIBLE_DEVICES"] == (["6", "GPU-1a2b", "2", "0"][rank] if user else str(rank))
     # all ranks share one run id, one store, one world
     for key in ("TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         assert len({ours_env[r][key] for r in range(4)}) == 1, key

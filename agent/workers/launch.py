@@ -23,7 +23,8 @@ from hyperpodrun.agent.workers.tee import Tee, worker_pipe
 from hyperpodrun.launch.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
 from hyperpodrun import auth
 from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_hook,
-                             inprocess_env_overrides, keep_on_loopback, worker_env)
+                             inprocess_env_overrides, keep_on_loopback, virtual_local_rank_env, worker_env)
+from hyperpodrun.errors import ConfigError
 from hyperpodrun.state.slots import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -86,7 +87,7 @@ class WorkerLauncher:
         if standby is not None:        # started while this agent waited as a hot spare: its imports are done
             self.warm.spawner = standby
         self.standbys = StandbyPool(sup, events, self.warm, cfg.standby_workers, cfg.nproc_per_node, self.base_env,
-                                    self.slot_dir)
+                                    self.slot_dir, cuda_for=self._standby_cuda if cfg.virtual_local_rank else None)
         # tried first for a respawn, in this order
         self.fast: list[WorkerSource] = [self.standbys, self.warm] if cfg.standby_workers else [self.warm]
         self._say_standbys()
@@ -139,6 +140,19 @@ class WorkerLauncher:
                               world_size=self.rdzv.world_size, local_world_size=self.cfg.nproc_per_node,
                               group_rank=self.rdzv.group_rank, group_world_size=self.rdzv.nnodes, role=self.cfg.role)
 
+    @staticmethod
+    def _virtual(env: dict[str, str], local_rank: int) -> dict[str, str]:
+        """--virtual-local-rank's LOCAL_RANK and CUDA_VISIBLE_DEVICES (hyperpodrun/env.py). The launch checked
+        the user's CUDA_VISIBLE_DEVICES; a GPU map's list too short for this local rank lists its GPU first."""
+        try:
+            return virtual_local_rank_env(env, local_rank)
+        except ConfigError:
+            return virtual_local_rank_env(env, 0)
+
+    def _standby_cuda(self, local_rank: int) -> str:
+        """Under --virtual-local-rank, the CUDA_VISIBLE_DEVICES a standby of `local_rank` makes its context with."""
+        return self._virtual(self.base_env, local_rank)["CUDA_VISIBLE_DEVICES"]
+
     def _modes(self, local_rank: int) -> tuple[int, int]:
         """(to file, to console with prefix) bit masks of STD_OUT/STD_ERR for a local rank."""
         cfg = self.cfg
@@ -174,6 +188,8 @@ class WorkerLauncher:
                          inprocess=self.cfg.inprocess_restart, heartbeat_interval=self.cfg.heartbeat_interval)
         if self.env_for is not None:
             env.update(self.env_for(local_rank))
+        if self.cfg.virtual_local_rank:   # after the GPU map's: a rank moved to a spare GPU gets that one
+            env.update(self._virtual(env, local_rank))
         # each stream that is kept in a file or teed is a pipe the agent drains (agent/workers/tee.py); one that is
         # neither goes straight to the agent's console (None: inherited)
         prefix = f"[{self.host}:{who.rank}]: "

@@ -66,8 +66,12 @@ class StandbyPool:
     name = "standby"
 
     def __init__(self, sup: Supervisor, events: Events, warm: WarmFork, per_slot: int, nproc: int,
-                 base_env: dict[str, str], slot_dir_for: Callable[[int], Optional[str]] = lambda _lr: None) -> None:
+                 base_env: dict[str, str], slot_dir_for: Callable[[int], Optional[str]] = lambda _lr: None,
+                 cuda_for: Optional[Callable[[int], str]] = None) -> None:
         self.sup = sup
+        # the CUDA_VISIBLE_DEVICES a slot's worker gets where it is not the node's (--virtual-local-rank): the
+        # standby sets it before it makes its CUDA context, so that its context is that worker's
+        self.cuda_for = cuda_for
         self.slot_dir_for = slot_dir_for
         self.events = events
         self.warm = warm
@@ -100,15 +104,16 @@ class StandbyPool:
                 elif sb.ready is None:
                     self._read_ready(sb, now)
             while len(items) < self.per_slot and now >= self._next_fork[slot]:
+                cuda = self.cuda_for(slot) if self.cuda_for is not None else None
                 try:
-                    pid, chan = spawner.fork_standby(slot, slot_dir=self.slot_dir_for(slot))
+                    pid, chan = spawner.fork_standby(slot, slot_dir=self.slot_dir_for(slot), cuda_visible=cuda)
                 except warm_spawner.WarmSpawnError as exc:
                     log.info("no standby for local rank %d for now: %s", slot, exc)
                     self._next_fork[slot] = now + self._backoff[slot]
                     break
                 self.sup.track_extra(pid)
-                items.append(_Standby(slot, pid, chan, AdoptedProcess(pid), self.base_env.get("CUDA_VISIBLE_DEVICES"),
-                                      born=now))
+                items.append(_Standby(slot, pid, chan, AdoptedProcess(pid),
+                                      cuda if cuda is not None else self.base_env.get("CUDA_VISIBLE_DEVICES"), born=now))
 
     def _read_ready(self, sb: _Standby, now: float) -> None:
         r, _, _ = select.select([sb.chan], [], [], 0)

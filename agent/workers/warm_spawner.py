@@ -100,18 +100,19 @@ class WarmSpawner:
             raise WarmSpawnError(f"the warm spawner failed: {reply.get('error')}")
         return int(reply["pid"])
 
-    def fork_standby(self, local_rank: int, timeout: float = 5.0,
-                     slot_dir: Optional[str] = None) -> tuple[int, socket.socket]:
+    def fork_standby(self, local_rank: int, timeout: float = 5.0, slot_dir: Optional[str] = None,
+                     cuda_visible: Optional[str] = None) -> tuple[int, socket.socket]:
         """Fork a standby for `local_rank` (agent/workers/standby.py): (its pid, the agent's end of its socket, on which
         it reports ready and receives the rank it becomes); `slot_dir`: where that rank's snapshot slots will
-        be, for the standby to map and pin ahead. Raises WarmSpawnError."""
+        be, for the standby to map and pin ahead; `cuda_visible`: the CUDA_VISIBLE_DEVICES its rank will have, where
+        not the zygote's (--virtual-local-rank). Raises WarmSpawnError."""
         if not self.check_ready():
             raise WarmSpawnError("the warm spawner is not ready (still importing, or gone)")
         from hyperpodrun.launch import settings
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             socket.send_fds(self._sock, [json.dumps({"standby": True, "local_rank": local_rank,
-                                                   "slot_dir": slot_dir,
+                                                   "slot_dir": slot_dir, "cuda_visible": cuda_visible,
                                                    "kernel_warm": settings.current().standby_kernel_warm}).encode()],
                             [theirs.fileno()])
             r, _, _ = select.select([self._sock], [], [], timeout)

@@ -134,6 +134,8 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
     chan = socket.socket(fileno=chan_fd)
     info: dict[str, Any] = {"ready": True, "pid": os.getpid(), "cuda": False}
     slot_dir: Optional[str] = None
+    if req.get("cuda_visible") is not None:   # --virtual-local-rank: its rank's one GPU, set before CUDA starts
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(req["cuda_visible"])
     try:
         import torch
         if torch.cuda.is_available():

@@ -16,11 +16,13 @@ one through `describe_validation_error`. The CLI prints it and exits 2.
 """
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from hyperpodrun.env import virtual_device
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.launch.flag_syntax import (STD_ALL, STD_ERR, STD_NONE, STD_OUT, as_bool, parse_conf, parse_endpoint,
                                             parse_nnodes, parse_rank_list, parse_signal, parse_signal_list,
@@ -220,6 +222,7 @@ class LaunchConfig(BaseModel):
     local_addr: Optional[str] = None
     single_node: bool = True
     role: str = "default"
+    virtual_local_rank: bool = False     # torchrun's: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES=<its GPU> per worker
 
     # supervision
     max_restarts: int = Field(0, ge=0, le=MAX_COUNT)
@@ -391,6 +394,8 @@ class LaunchConfig(BaseModel):
         auth.checked_secret_file(self.job_secret_file)   # a bad secret: exit 2 here, not a failed job
         if self.health_check == "nvml":
             host_checks.check_nvml()
+        if self.virtual_local_rank:   # each local rank needs its own CUDA_VISIBLE_DEVICES entry
+            virtual_device(self.nproc_per_node - 1, os.environ.get("CUDA_VISIBLE_DEVICES"))
         return self
 
     @property

@@ -20,7 +20,6 @@ STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
 #: torchrun flags that are refused (exit 2), and why; `hyperpodrun --help` lists them
 UNSUPPORTED = {
     "numa_binding": ("--numa-binding", "NUMA binding of the workers is not implemented"),
-    "virtual_local_rank": ("--virtual-local-rank", "LOCAL_RANK is always the real local rank"),
     "duplicate_stdout_filters": ("--duplicate-stdout-filters", "not implemented"),
     "duplicate_stderr_filters": ("--duplicate-stderr-filters", "not implemented"),
 }

@@ -38,7 +38,7 @@ class Session:
         if ctx.control is None:
             raise OutOfOrderError("a control session outside --inprocess-restart (no HYPERPODRUN_CONTROL)")
         self.rank = int(os.environ["RANK"])
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.local_rank = E.real_local_rank()   # the agent's slot of it (LOCAL_RANK is 0 under --virtual-local-rank)
         self.generation = ctx.generation
         self.step: Optional[int] = None
         self.state = "running"                  # running | recovering | waiting | done (heartbeats carry it)

@@ -145,7 +145,7 @@ class ManagerCore:
 
     def slot_dir(self) -> str:
         """This process's slot directory on this node (shm_runs.slot_dir)."""
-        return shm_runs.slot_dir(int(os.environ.get("LOCAL_RANK", "0")), shm_dir=self.shm_dir)
+        return shm_runs.slot_dir(E.real_local_rank(), shm_dir=self.shm_dir)
 
     def _ensure_dir(self) -> str:
         """Create (or join) the run directory and this rank's slot directory, ours alone (safe_fs); the

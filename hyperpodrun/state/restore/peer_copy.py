@@ -32,6 +32,7 @@ import threading
 from typing import Any, Optional
 
 from hyperpodrun import auth, netaddr, safe_fs
+from hyperpodrun.env import real_local_rank
 from hyperpodrun.state.slots import shm_runs
 
 log = logging.getLogger("hyperpodrun.runtime")
@@ -72,7 +73,7 @@ class PeerCopies:
     def __init__(self, base_dir: str, rank: int, world: Optional[int] = None, local_world: Optional[int] = None,
                  key: Optional[bytes] = None, run_id: Optional[str] = None) -> None:
         self.base_dir, self.rank = base_dir, rank
-        self.own_dir = os.path.join(base_dir, f"local{os.environ.get('LOCAL_RANK', '0')}")   # CheckpointManager's
+        self.own_dir = os.path.join(base_dir, f"local{real_local_rank()}")   # CheckpointManager's
         world = world if world is not None else int(os.environ.get("WORLD_SIZE", 1))
         local_world = local_world if local_world is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.source = source_of(rank, world, local_world)
