@@ -107,6 +107,11 @@ OFF = "off"
 @topt("--tee", "-t", default="0", help="Tee std streams to files and console: 3, or 0:3,1:0 per rank.")
 @topt("--local-ranks-filter", default="", show_default="all",
       help="Show only these local ranks on the console (e.g. 0,1).")
+@click.option(*_names("--log-line-prefix-template"), envvar=[_pet("--log-line-prefix-template"),
+              "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"], show_envvar=False, default=None, metavar="TEMPLATE",
+              show_default="[host:rank]",
+              help="Prefix of each console line of a worker; macros ${role_name}, ${rank}, ${local_rank}, "
+                   "${hostname} (also TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE).")
 @topt("--duplicate-stdout-filters", default="", hidden=True)
 @topt("--duplicate-stderr-filters", default="", hidden=True)
 @topt("--node-rank", default=0, type=int, help="This node's rank (static rendezvous).")

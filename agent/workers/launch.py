@@ -21,6 +21,7 @@ from hyperpodrun.agent.workers.standby import StandbyPool
 from hyperpodrun.agent.workers.supervisor import Supervisor, WorkerProcess
 from hyperpodrun.agent.workers.tee import Tee, worker_pipe
 from hyperpodrun.launch.config import STD_ALL, STD_ERR, STD_OUT, LaunchConfig
+from hyperpodrun.launch.flag_syntax import render_prefix
 from hyperpodrun import auth
 from hyperpodrun.env import (INPROCESS_NCCL_DEFAULTS, WorkerIdentity, hand_down_hook,
                              inprocess_env_overrides, keep_on_loopback, virtual_local_rank_env, worker_env)
@@ -153,6 +154,14 @@ class WorkerLauncher:
         """Under --virtual-local-rank, the CUDA_VISIBLE_DEVICES a standby of `local_rank` makes its context with."""
         return self._virtual(self.base_env, local_rank)["CUDA_VISIBLE_DEVICES"]
 
+    def console_prefix(self, local_rank: int) -> str:
+        """What goes before each console line of a local rank: --log-line-prefix-template rendered as torchrun
+        does (hyperpodrun/launch/flag_syntax.py, render_prefix), else `[host:rank]: `."""
+        who = self.identity(local_rank)
+        if self.cfg.log_line_prefix_template:   # "" is torchrun's "not given" too
+            return render_prefix(self.cfg.log_line_prefix_template, who.role, who.rank, local_rank, self.host)
+        return f"[{self.host}:{who.rank}]: "
+
     def _modes(self, local_rank: int) -> tuple[int, int]:
         """(to file, to console with prefix) bit masks of STD_OUT/STD_ERR for a local rank."""
         cfg = self.cfg
@@ -192,7 +201,7 @@ class WorkerLauncher:
             env.update(self._virtual(env, local_rank))
         # each stream that is kept in a file or teed is a pipe the agent drains (agent/workers/tee.py); one that is
         # neither goes straight to the agent's console (None: inherited)
-        prefix = f"[{self.host}:{who.rank}]: "
+        prefix = self.console_prefix(local_rank)
         ends: list[Optional[int]] = []
         streams: list[int] = []
         try:

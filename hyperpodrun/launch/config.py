@@ -258,6 +258,7 @@ class LaunchConfig(BaseModel):
     redirects: dict[int, int] = Field(default_factory=dict)
     tee: dict[int, int] = Field(default_factory=dict)
     local_ranks_filter: Optional[list[int]] = None
+    log_line_prefix_template: Optional[str] = None    # None or "": the `[host:rank]: ` prefix
 
     # security (hyperpodrun/auth.py): file with the job secret; None -> HYPERPODRUN_JOB_SECRET or one of our own
     job_secret_file: Optional[str] = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shlex
 import signal
+import string
 from typing import Any, Optional
 
 from pydantic import TypeAdapter, ValidationError
@@ -39,6 +40,18 @@ def check_logs_specs(value: Optional[str]) -> None:
         return
     raise ConfigError(f"--logs-specs {value!r}: hyperpodrun loads no LogsSpecs plugin, it writes its own log layout "
                       "(docs/logs.md); accepted: default (or drop the flag)")
+
+
+#: the macros of --log-line-prefix-template (torchrun's, rendered with string.Template.safe_substitute)
+PREFIX_MACROS = ("role_name", "rank", "local_rank", "hostname")
+
+
+def render_prefix(template: str, role: str, rank: int, local_rank: int, hostname: str) -> str:
+    """--log-line-prefix-template for one worker, as torchrun renders it (LocalElasticAgent._start_workers):
+    `${role_name}`, `${rank}` (global), `${local_rank}` and `${hostname}` are replaced, anything else is left
+    as written (safe_substitute), and the result goes before each line as is."""
+    return string.Template(template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank,
+                                                     hostname=hostname)
 
 
 def refuse_unsupported(flags: dict[str, Any]) -> None:

@@ -153,3 +153,22 @@ def test_dead_fields_are_gone(field: str) -> None:
     with pytest.raises(ValidationError):
         LaunchConfig(entrypoint="x.py", **{field: {}})
     assert not hasattr(LaunchConfig(entrypoint="x.py"), "world_size_hint")
+
+
+@pytest.mark.parametrize("flag", ["--log-line-prefix-template", "--log_line_prefix_template"])
+def test_the_prefix_template_is_kept_as_written(script: str, tmp_path: Path, flag: str) -> None:
+    cfg = _config(["--log-dir", str(tmp_path), flag, "${hostname}:${rank}: ", script])
+    assert cfg.log_line_prefix_template == "${hostname}:${rank}: "
+
+
+def test_the_prefix_template_comes_from_torchruns_variable(script: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PET_LOG_LINE_PREFIX_TEMPLATE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${rank}] ")
+    assert _config(["--log-dir", str(tmp_path), script]).log_line_prefix_template == "[${rank}] "
+
+
+def test_the_prefix_renders_torchruns_macros() -> None:
+    from hyperpodrun.launch.flag_syntax import render_prefix
+    assert render_prefix("${hostname}:${rank}: ", "default", 5, 1, "vm") == "vm:5: "
+    assert render_prefix("$role_name/${local_rank} ${other} $$ ", "trainer", 5, 1, "vm") == "trainer/1 ${other} $ "
