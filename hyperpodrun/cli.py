@@ -80,6 +80,22 @@ def _env_sources(ctx: click.Context) -> dict[str, str]:
 
 
 OFF = "off"
+#: the shells of torchrun's --print-completion, and the variable click's completion reads at run time
+COMPLETION_SHELLS = ("bash", "zsh", "tcsh")
+COMPLETE_VAR = "_HYPERPODRUN_COMPLETE"
+
+
+def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Optional[str]) -> None:
+    """--print-completion SHELL: click's own completion script for `hyperpodrun`, then exit 0 (as --version)."""
+    if shell is None or ctx.resilient_parsing:
+        return
+    from click.shell_completion import get_completion_class
+    cls = get_completion_class(shell)
+    if cls is None:
+        raise click.UsageError(f"--print-completion {shell}: click's shell completion has no {shell} script; "
+                               "use bash or zsh")
+    click.echo(cls(ctx.command, {}, "hyperpodrun", COMPLETE_VAR).source())
+    ctx.exit(0)
 
 
 @click.command(cls=_LaunchCommand, epilog=EPILOG,
@@ -156,6 +172,9 @@ OFF = "off"
       help="Arguments of the pre-train script (one shell-quoted string).")
 @oopt("--post-train-script", default=None, show_default="none", help="Run after the workers end (once per node).")
 @oopt("--post-train-args", default="", show_default="none", help="Arguments of the post-train script.")
+@click.option(*_names("--print-completion"), type=click.Choice(COMPLETION_SHELLS), default=None, is_eager=True,
+              expose_value=False, callback=_print_completion, show_default=OFF,
+              help="Print the shell completion script for bash or zsh and exit (tcsh: not offered by click).")
 @click.version_option(__version__, "--version", prog_name="hyperpodrun")
 @click.argument("training_script", metavar="TRAINING_SCRIPT")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
@@ -255,7 +274,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     else:
         command = launch
     try:
-        command.main(args=args, prog_name="hyperpodrun", standalone_mode=False)
+        command.main(args=args, prog_name="hyperpodrun", standalone_mode=False, complete_var=COMPLETE_VAR)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
