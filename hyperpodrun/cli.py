@@ -128,8 +128,11 @@ def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Option
               show_default="[host:rank]",
               help="Prefix of each console line of a worker; macros ${role_name}, ${rank}, ${local_rank}, "
                    "${hostname} (also TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE).")
-@topt("--duplicate-stdout-filters", default="", hidden=True)
-@topt("--duplicate-stderr-filters", default="", hidden=True)
+@topt("--duplicate-stdout-filters", default=None, metavar="TEXT,...", show_default="none",
+      help="Copy the console's stdout lines that contain one of these to <run-dir>/attempt_<g>/filtered_stdout.log "
+           "(',,' is a comma).")
+@topt("--duplicate-stderr-filters", default=None, metavar="TEXT,...", show_default="none",
+      help="The same for stderr lines, into filtered_stderr.log.")
 @topt("--node-rank", default=0, type=int, help="This node's rank (static rendezvous).")
 @topt("--master-addr", default=None, show_default="127.0.0.1", help="Address of node 0 (static rendezvous).")
 @topt("--master-port", default=None, type=click.IntRange(0, 65535), show_default="29500",

@@ -212,7 +212,7 @@ def test_help_shows_defaults_and_refused_flags(launcher):
 
 
 @pytest.mark.parametrize("flags", [["--numa-binding", "node"], ["--logs-specs", "x"],
-                                   ["--duplicate-stdout-filters", "x"], ["--nnodes", "1:2"],
+                                   ["--nnodes", "1:2"],
                                    ["--rdzv-backend", "etcd"], ["--no-such-flag"]], ids=" ".join)
 def test_refused_flags_are_one_line(launcher, ok_script, flags):
     _one_line_usage_error(launcher.run([*flags, ok_script], timeout=30), flags[0])

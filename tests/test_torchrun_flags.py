@@ -1,11 +1,11 @@
 """torchrun options that hyperpodrun took over from refusing (issue 34), through real launches: the console
 prefix of --log-line-prefix-template (also torchrun 2.13's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, compared
-with torchrun itself)."""
+with torchrun itself) and the files of --duplicate-stdout/stderr-filters."""
 from __future__ import annotations
 
 import socket
 
-from conftest import TORCHRUN
+from conftest import TORCHRUN, the_run_dir
 
 HELLO = "import os\nprint('hello', os.environ['RANK'], flush=True)\n"
 
@@ -41,3 +41,18 @@ def test_the_prefix_template_of_the_environment_is_torchruns(launcher, tmp_path)
     assert res_theirs.rc == 0, res_theirs
     assert _lines(res_ours.out) == _lines(res_theirs.out) == {f"<default:{r}:{r}> hello {r}" for r in (0, 1)}, \
         (res_ours.out, res_theirs.out)
+
+
+def test_duplicate_filters_copy_the_matching_lines_into_the_attempt_directory(launcher, tmp_path):
+    script = tmp_path / "chatty.py"
+    script.write_text("import os, sys\nr = os.environ['RANK']\nprint('loss', r, flush=True)\nprint('noise', r)\n"
+                      "print('NaN,inf', r, file=sys.stderr)\n")
+    res = launcher.run(["--nproc-per-node", "2", "--duplicate-stdout-filters", "loss",
+                        "--duplicate_stderr_filters", "NaN,,inf", script], timeout=60)
+    assert res.rc == 0, res
+    attempt = the_run_dir(launcher.log_dir) / "attempt_0"
+    host = socket.gethostname()
+    assert sorted((attempt / "filtered_stdout.log").read_text().splitlines()) == \
+        [f"[{host}:{r}]: loss {r}" for r in (0, 1)]
+    assert sorted((attempt / "filtered_stderr.log").read_text().splitlines()) == \
+        [f"[{host}:{r}]: NaN,inf {r}" for r in (0, 1)]

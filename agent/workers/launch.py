@@ -162,6 +162,16 @@ class WorkerLauncher:
             return render_prefix(self.cfg.log_line_prefix_template, who.role, who.rank, local_rank, self.host)
         return f"[{self.host}:{who.rank}]: "
 
+    def _duplicate(self, bit: int, generation: int) -> Optional[tuple[str, list[str]]]:
+        """--duplicate-stdout/stderr-filters: (the generation's filtered_stdout.log / filtered_stderr.log,
+        the filters) for a stream, or None. Every rank started in a generation appends its matching teed lines,
+        prefixed, to that one file (torchrun's <log_dir>/<run_id>/attempt_<n>/filtered_*.log)."""
+        needles = self.cfg.duplicate_stdout_filters if bit == STD_OUT else self.cfg.duplicate_stderr_filters
+        if not needles:
+            return None
+        name = "filtered_stdout.log" if bit == STD_OUT else "filtered_stderr.log"
+        return os.path.join(self.run_dir, f"attempt_{generation}", name), needles
+
     def _modes(self, local_rank: int) -> tuple[int, int]:
         """(to file, to console with prefix) bit masks of STD_OUT/STD_ERR for a local rank."""
         cfg = self.cfg
@@ -211,7 +221,8 @@ class WorkerLauncher:
                     continue
                 r, w = worker_pipe()
                 ends.append(w)
-                streams.append(self.tee.attach(r, path, console if teed & bit else None, prefix))
+                streams.append(self.tee.attach(r, path, console if teed & bit else None, prefix,
+                                               self._duplicate(bit, generation)))
             req = SpawnRequest(local_rank=local_rank, rank=who.rank, generation=generation, argv=self.argv, env=env,
                                stdout=ends[0], stderr=ends[1])
             proc = next((p for p in (source.spawn(req) for source in self.fast) if p is not None), None) \

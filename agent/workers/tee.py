@@ -25,7 +25,7 @@ import selectors
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from hyperpodrun import safe_fs
 
@@ -181,6 +181,9 @@ class _Stream:
     prefix: bytes
     partial: bytes = b""
     closed: bool = field(default=False)
+    dup_fd: Optional[int] = None             # --duplicate-*-filters: the filtered_*.log its matching lines go to
+    dup_path: Optional[str] = None
+    needles: tuple[bytes, ...] = ()
 
 
 class Tee:
@@ -227,10 +230,20 @@ class Tee:
             return self._consoles[fd]
 
     # ------------------------------------------------------------------------------------ streams
-    def attach(self, fd: int, path: Optional[str], console_fd: Optional[int], prefix: str) -> int:
+    def attach(self, fd: int, path: Optional[str], console_fd: Optional[int], prefix: str,
+               duplicate: Optional[tuple[str, Sequence[str]]] = None) -> int:
         """Follow pipe read end `fd` (owned by the tee from now on): its bytes go to the log file `path` (if
-        any, appended, created 0600, never through a symlink) and its lines to `console_fd` (if any).
-        Returns the stream's key for release()."""
+        any, appended, created 0600, never through a symlink) and its lines to `console_fd` (if any);
+        `duplicate` = (file, filters): the console lines that contain one of the filters are also appended,
+        prefixed, to that file (torchrun's --duplicate-stdout/stderr-filters). Returns the stream's key for
+        release()."""
+        dup_fd = None
+        if duplicate is not None and console_fd is not None:
+            try:
+                dup_fd = safe_fs.open_append(duplicate[0])
+            except OSError as exc:
+                self._problem("file", f"cannot open the log file {duplicate[0]}: {exc.strerror or exc}; that "
+                              "output is not kept in a file (the job goes on)")
         file_fd = None
         if path is not None:
             try:
@@ -241,7 +254,9 @@ class Tee:
         console = self.console(console_fd) if console_fd is not None else None
         with self._lock:
             self._next_key += 1
-            stream = _Stream(self._next_key, fd, path, file_fd, console, prefix.encode())
+            stream = _Stream(self._next_key, fd, path, file_fd, console, prefix.encode(), dup_fd=dup_fd,
+                             dup_path=duplicate[0] if duplicate else None,
+                             needles=tuple(n.encode() for n in duplicate[1]) if duplicate else ())
             self._streams[stream.key] = stream
             self._sel.register(fd, selectors.EVENT_READ, stream)
         return stream.key
@@ -271,15 +286,18 @@ class Tee:
                 return
             self._deliver(stream, data)
 
+    def _write_file(self, fd: int, path: Optional[str], data: bytes) -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as exc:   # ENOSPC, EIO, EDQUOT...: drop it from the file, keep draining the pipe
+            self._problem("file", f"cannot write worker output to {path}: {exc.strerror or exc}; "
+                          "dropping output from the log files (the job goes on)")
+
     def _deliver(self, stream: _Stream, data: bytes) -> None:
         if stream.file_fd is not None:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(stream.file_fd, view):]
-            except OSError as exc:   # ENOSPC, EIO, EDQUOT...: drop it from the file, keep draining the pipe
-                self._problem("file", f"cannot write worker output to {stream.path}: {exc.strerror or exc}; "
-                              "dropping output from the log files (the job goes on)")
+            self._write_file(stream.file_fd, stream.path, data)
         if stream.console is None:
             return
         data = stream.partial + data
@@ -290,13 +308,17 @@ class Tee:
         if cut:
             self._to_console(stream, data[:cut])
 
-    @staticmethod
-    def _to_console(stream: _Stream, data: bytes) -> None:
+    def _to_console(self, stream: _Stream, data: bytes) -> None:
         assert stream.console is not None
         lines = data.split(b"\n")
         if lines[-1] == b"":
             lines.pop()
         stream.console.put(b"".join(stream.prefix + line + b"\n" for line in lines))
+        if stream.dup_fd is not None:   # one write per batch of whole lines: the ranks' lines stay whole
+            picked = b"".join(stream.prefix + line + b"\n" for line in lines
+                              if any(needle in line for needle in stream.needles))
+            if picked:
+                self._write_file(stream.dup_fd, stream.dup_path, picked)
 
     def _finish(self, stream: _Stream) -> None:
         """Flush the partial line, close the pipe and the file. Lock held."""
@@ -311,7 +333,7 @@ class Tee:
             self._sel.unregister(stream.fd)
         except (KeyError, ValueError):
             pass
-        for fd in (stream.fd, stream.file_fd):
+        for fd in (stream.fd, stream.file_fd, stream.dup_fd):
             if fd is not None:
                 try:
                     os.close(fd)

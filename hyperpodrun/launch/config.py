@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from hyperpodrun.env import virtual_device
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.launch.flag_syntax import (STD_ALL, STD_ERR, STD_NONE, STD_OUT, as_bool, parse_conf, parse_endpoint,
-                                            parse_nnodes, parse_rank_list, parse_signal, parse_signal_list,
-                                            parse_std_map, refuse_unsupported, split_args)
+                                            parse_filters, parse_nnodes, parse_rank_list, parse_signal,
+                                            parse_signal_list, parse_std_map, refuse_unsupported, split_args)
 from hyperpodrun.launch.host_checks import (count_workers, default_log_dir, own_address, private_log_base, standby_auto,
                                      temp_log_base)
 
@@ -259,6 +259,9 @@ class LaunchConfig(BaseModel):
     tee: dict[int, int] = Field(default_factory=dict)
     local_ranks_filter: Optional[list[int]] = None
     log_line_prefix_template: Optional[str] = None    # None or "": the `[host:rank]: ` prefix
+    # teed lines that contain one of these are also copied to <run-dir>/attempt_<g>/filtered_std{out,err}.log
+    duplicate_stdout_filters: list[str] = Field(default_factory=list)
+    duplicate_stderr_filters: list[str] = Field(default_factory=list)
 
     # security (hyperpodrun/auth.py): file with the job secret; None -> HYPERPODRUN_JOB_SECRET or one of our own
     job_secret_file: Optional[str] = None
@@ -346,6 +349,11 @@ class LaunchConfig(BaseModel):
     @classmethod
     def _rank_list(cls, value: Any, info: ValidationInfo) -> Any:
         return parse_rank_list(value, info.data.get("nproc_per_node")) if isinstance(value, str) else value
+
+    @field_validator("duplicate_stdout_filters", "duplicate_stderr_filters", mode="before")
+    @classmethod
+    def _filters(cls, value: Any) -> Any:
+        return [] if value is None else parse_filters(value) if isinstance(value, str) else value
 
     @field_validator("pre_train_args", "post_train_args", mode="before")
     @classmethod

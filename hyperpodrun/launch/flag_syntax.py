@@ -21,8 +21,6 @@ STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
 #: torchrun flags that are refused (exit 2), and why; `hyperpodrun --help` lists them
 UNSUPPORTED = {
     "numa_binding": ("--numa-binding", "NUMA binding of the workers is not implemented"),
-    "duplicate_stdout_filters": ("--duplicate-stdout-filters", "not implemented"),
-    "duplicate_stderr_filters": ("--duplicate-stderr-filters", "not implemented"),
 }
 #: torchrun flags accepted for compatibility with no effect, and the values they take
 ACCEPTED_ONLY = {
@@ -40,6 +38,12 @@ def check_logs_specs(value: Optional[str]) -> None:
         return
     raise ConfigError(f"--logs-specs {value!r}: hyperpodrun loads no LogsSpecs plugin, it writes its own log layout "
                       "(docs/logs.md); accepted: default (or drop the flag)")
+
+
+def parse_filters(value: str) -> list[str]:
+    """torchrun's --duplicate-stdout/stderr-filters list: `apple,orange` -> ['apple', 'orange']; `,,` is a comma
+    inside a filter (torch/distributed/run.py, comma_separated_list). A line is copied when it contains any."""
+    return [item.replace("\0", ",") for item in value.replace(",,", "\0").split(",")]
 
 
 #: the macros of --log-line-prefix-template (torchrun's, rendered with string.Template.safe_substitute)
