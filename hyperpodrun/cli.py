@@ -16,6 +16,7 @@ from hyperpodrun import __version__
 from hyperpodrun.launch import settings
 from hyperpodrun.errors import EXIT_USAGE, ConfigError
 from hyperpodrun.launch.flags import UNSUPPORTED, build_config
+from hyperpodrun.launch.host_checks import NUMA_MODES
 
 SUBCOMMANDS = ("logs", "inject")
 
@@ -140,7 +141,8 @@ def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Option
 @topt("--local-addr", default=None, show_default="this host's FQDN", help="This node's address.")
 @topt("--logs-specs", default=None, metavar="default", show_default="default",
       help="torchrun's LogsSpecs entry point: only default, hyperpodrun's own log layout (docs/logs.md).")
-@topt("--numa-binding", default=None, hidden=True)
+@topt("--numa-binding", type=click.Choice(NUMA_MODES), default=None, show_default=OFF,
+      help="Bind each worker to the CPUs near its GPU (torch.numa.binding's modes); needs GPUs.")
 @topt("--virtual-local-rank", is_flag=True, show_default=OFF,
       help="Every worker gets LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES naming only its GPU (its entry of yours).")
 @topt("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="Signals forwarded to workers.")

@@ -81,7 +81,7 @@ BAD_FLAGS = [
     (["--post-train-args", "a \"b"], ["--post-train-args"]),
     # refused: conflicting, unsupported, elastic, unknown backend, unknown flag
     (["--no-python", "-m"], ["--no-python", "--module"]),
-    (["--numa-binding", "node"], ["--numa-binding", "not supported"]),
+    (["--numa-binding", "bogus"], ["--numa-binding", "'bogus' is not one of"]),
     (["--logs-specs", "my_specs"], ["--logs-specs 'my_specs'", "accepted: default"]),
     (["--nnodes", "1:2"], ["--nnodes 1:2", "c10d"]),
     (["--rdzv-backend", "etcd"], ["--rdzv-backend", "etcd", "not supported"]),
@@ -177,9 +177,9 @@ def test_help_lists_torchrun_flags_and_ours(launcher):
     for flag in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--max-restarts", "--shutdown-timeout",
                  "--shutdown-signal", "--local-ranks-filter", "--pre-train-script"):
         assert flag in res.out, flag
-    # unsupported torchrun flags are not offered as options, only listed as refused (after the options)
+    # refused values of torchrun flags are listed after the options
     options, refused = res.out.split("Refused torchrun flags", 1)
-    assert "--numa-binding" not in options and "--numa-binding" in refused
+    assert "--numa-binding" in options and "--rdzv-backend other than static" in refused
 
 
 # ------------------------------------------------------------------------------------------ spellings, env

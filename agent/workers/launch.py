@@ -60,6 +60,22 @@ def standby_spawner(cfg: LaunchConfig, sup: Supervisor, subreaper: bool) -> Opti
     return spawner
 
 
+def bind_process(pid: int, cpus: list[int]) -> None:
+    """--numa-binding: every thread of worker `pid` onto `cpus` (torch.numa.binding's choice); the threads it
+    starts later inherit it. Applied however the worker came (a cold spawn, a zygote fork, a standby)."""
+    if not cpus:
+        return
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:   # a thread that just ended; a worker already gone is the supervisor's news
+            pass
+
+
 class WorkerLauncher:
     """Spawns this node's workers for a generation and wires their logs (the Launcher port). The processes
     come from its worker sources: the fast ones first for a respawn (warm fork), else a cold spawn."""
@@ -237,6 +253,8 @@ class WorkerLauncher:
             for end in ends:
                 if end is not None:
                     os.close(end)
+        if self.cfg.numa_cpus:
+            bind_process(proc.pid, self.cfg.numa_cpus.get(local_rank, []))
         self._paths[proc.pid] = (out, err, error_file)
         self._streams[proc.pid] = streams
         if self.on_spawn is not None:

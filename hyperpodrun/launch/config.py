@@ -223,6 +223,8 @@ class LaunchConfig(BaseModel):
     single_node: bool = True
     role: str = "default"
     virtual_local_rank: bool = False     # torchrun's: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES=<its GPU> per worker
+    numa_binding: Optional[Literal["node", "socket", "exclusive", "core-complex"]] = None
+    numa_cpus: dict[int, list[int]] = Field(default_factory=dict)   # --numa-binding's CPUs per local rank
 
     # supervision
     max_restarts: int = Field(0, ge=0, le=MAX_COUNT)
@@ -405,6 +407,8 @@ class LaunchConfig(BaseModel):
             host_checks.check_nvml()
         if self.virtual_local_rank:   # each local rank needs its own CUDA_VISIBLE_DEVICES entry
             virtual_device(self.nproc_per_node - 1, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if self.numa_binding is not None and not self.numa_cpus:
+            self.numa_cpus = host_checks.numa_cpus(self.numa_binding, self.nproc_per_node)
         return self
 
     @property

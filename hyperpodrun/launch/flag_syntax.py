@@ -19,9 +19,7 @@ from hyperpodrun.errors import ConfigError
 STD_NONE, STD_OUT, STD_ERR, STD_ALL = 0, 1, 2, 3
 
 #: torchrun flags that are refused (exit 2), and why; `hyperpodrun --help` lists them
-UNSUPPORTED = {
-    "numa_binding": ("--numa-binding", "NUMA binding of the workers is not implemented"),
-}
+UNSUPPORTED: dict[str, tuple[str, str]] = {}
 #: torchrun flags accepted for compatibility with no effect, and the values they take
 ACCEPTED_ONLY = {
     "start_method": ("spawn", "fork", "forkserver"),

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 from typing import Callable, Mapping, Optional
 
@@ -183,3 +186,44 @@ def check_nvml() -> None:
     problem = probe_nvml()
     if problem:
         raise ConfigError(f"--health-check nvml: {problem}. Fix: {NVML_FIX}")
+
+
+#: the modes of torchrun's --numa-binding (torch.numa.binding.AffinityMode)
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+# run in a child, so that the agent itself never starts CUDA: the CPUs torch.numa.binding picks for the GPU of
+# each local rank (`cuda:<local rank>`, as torchrun passes gpu_index=local_rank), as JSON
+_NUMA_PROBE = r"""
+import json, sys
+import torch
+try:
+    from torch.numa import binding
+except ImportError:
+    sys.exit("this torch has no torch.numa.binding (torch 2.9 or newer)")
+if not torch.cuda.is_available():
+    sys.exit("No accelerator available for NUMA binding")
+mode, nproc, count = sys.argv[1], int(sys.argv[2]), torch.cuda.device_count()
+options = binding.NumaOptions(affinity_mode=binding.AffinityMode(mode))
+cpus = {}
+for lr in range(nproc):
+    if lr >= count:
+        sys.exit(f"local rank {lr} has no GPU cuda:{lr} to bind near ({count} visible)")
+    cpus[lr] = sorted(binding._get_logical_cpus_to_bind_to(gpu_index=lr, numa_options=options))
+    if not cpus[lr]:
+        sys.exit(f"no CPUs to bind local rank {lr} to")
+print(json.dumps(cpus))
+"""
+
+
+def numa_cpus(mode: str, nproc: int) -> dict[int, list[int]]:
+    """--numa-binding MODE: the CPUs of each local rank, as torch.numa.binding (torchrun's) chooses them near its
+    GPU. ConfigError with torch's reason where it cannot (no GPU: "No accelerator available for NUMA binding")."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _NUMA_PROBE, mode, str(nproc)], capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"--numa-binding {mode}: cannot ask torch.numa.binding ({exc})") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise ConfigError(f"--numa-binding {mode}: {lines[-1] if lines else 'torch.numa.binding failed'}; run "
+                          "on a host with GPUs or drop --numa-binding")
+    return {int(lr): list(cpus) for lr, cpus in json.loads(done.stdout).items()}

@@ -79,7 +79,6 @@ BAD = [
     (["--local-ranks-filter", "4"], "--local-ranks-filter '4': local ranks are 0..0"),
     (["--local-ranks-filter", "x"], "--local-ranks-filter must be a comma-separated list"),
     (["--no-python", "-m"], "--no-python and -m/--module cannot be used together"),
-    (["--numa-binding", "node"], "--numa-binding is not supported by hyperpodrun"),
     (["--logs-specs", "my_specs"], "--logs-specs 'my_specs': hyperpodrun loads no LogsSpecs plugin"),
     (["--logs_specs", ""], "--logs-specs '': hyperpodrun loads no LogsSpecs plugin"),
     (["--start-method", "bogus"], "--start-method must be spawn, fork or forkserver"),
