@@ -125,6 +125,11 @@ def test_a_module_built_outside_keeps_its_live_state(tmp_path, reference, raiser
     restored = [e for e in events(tmp_path, "outside") if e["event"] == "state_restored"]
     assert len(restored) == 1 and restored[0]["step"] == step + 1, f"{restored}\n{info}"
     assert restored[0]["lost_steps"] == 0, f"{restored}\n{info}"
+    # the failed fit's teardown left the module where it was (Lightning moves it to host memory; the next fit
+    # would move it back): only the last generation's normal end moved it
+    for r in range(4):
+        with open(os.path.join(out, f"cpu_calls.rank{r}")) as f:
+            assert f.read().split() == ["1"], f"rank {r}: module.cpu() called in these generations\n{info}"
     assert_same(reference("1", "12"), out, info)
 
 
