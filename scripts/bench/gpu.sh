@@ -28,6 +28,7 @@ SEQUENCES=(
   "checkpointless|per-step snapshot overhead (none/sync/offload) of a >=1B model under DDP and FSDP2 on 2 GPUs, and restore after SIGKILL"
   "inprocess|the in-process restart benchmark on 2 GPUs (inprocess_bench.py, NCCL), once per sync mode"
   "health|the NVML health monitor on the real devices, its CPU cost, and injected XIDs in NCCL jobs (2 GPUs)"
+  "frameworks|Lightning and the HF Trainer with our callbacks (module outside/inside) vs HPWrapper only vs torchrun: step and recovery"
   "lightning|Lightning + CheckpointlessCallback on 2 GPUs: recovery after a SIGKILL mid-epoch vs the fault-free run"
   "restart-noise|what an in-process restart prints besides the job's lines, with the environment as is and with NOISE_ENV"
 )
@@ -361,6 +362,32 @@ seq_lightning() {
   x timeout 400 python3 scripts/bench/lightning_recovery.py --accel gpu --nproc 2 --steps 40 --kill-step 21 \
     --width 4096 --depth 4 --runs "${RUNS:-3}" --out "$OUT/lightning-gpu.json"
   echo "== lightning exit $?"
+}
+
+# frameworks: scripts/bench/frameworks.py on one GPU, a 0.66 B Llama (bf16-mixed, fused AdamW, 2 DataLoader workers)
+# under Lightning and the Hugging Face Trainer, rows none/outside/inside/torchrun, an exception and a SIGKILL
+# between backward and the optimizer step. FRAMEWORKS (lightning hf), KINDS (raise,kill), ROWS
+# (none,outside,inside,torchrun), FAULTS (3), NO_STANDBY (outside: kill jobs also without standbys), BUDGET (420 s
+# per framework), JOB_TIMEOUT (150 s), BENCH_DIR (/tmp/hpr-frameworks). What comes back: machine.txt,
+# frameworks_<fw>.md and .json, frameworks.log, frameworks_raw.tar.gz.
+seq_frameworks() {
+  setup
+  local W="${BENCH_DIR:-/tmp/hpr-frameworks}" fw
+  x rm -rf "$W" && x mkdir -p "$W"
+  {
+    for fw in ${FRAMEWORKS:-lightning hf}; do
+      echo "== $fw $(date +%T)"
+      x timeout -s TERM -k 25 $((${BUDGET:-420} + 200)) python3 scripts/bench/frameworks.py --size 0.6b \
+        --frameworks "$fw" --kinds "${KINDS:-raise,kill}" --rows "${ROWS:-none,outside,inside,torchrun}" \
+        --faults "${FAULTS:-3}" --no-standby "${NO_STANDBY:-outside}" --job-timeout "${JOB_TIMEOUT:-150}" \
+        --budget "${BUDGET:-420}" --arm-timeout 10 --out "$W/$fw"
+      echo "== $fw rc=$? $(date +%T)"
+      x cp "$W/$fw/table.md" "$OUT/frameworks_$fw.md" 2>/dev/null
+      x cp "$W/$fw/summary.json" "$OUT/frameworks_$fw.json" 2>/dev/null
+    done
+    echo "sequence done $(date +%T)"
+  } 2>&1 | keep "$OUT/frameworks.log"
+  x tar -czf "$(to "$OUT/frameworks_raw.tar.gz")" -C "$W" --exclude='*.ckpt' --exclude='checkpoint-*' .
 }
 
 # restart-noise (was gpu_restart_noise.sh): the same small job (one rank, NCCL, 3 exceptions) run twice under

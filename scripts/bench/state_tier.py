@@ -243,11 +243,16 @@ def job_command(row: str, a: argparse.Namespace, kind: str, model: str, out: Pat
             "--log-dir", str(logs), "--rdzv-id", "job", "--master-port", str(free_port()), *worker]
 
 
-def run_job(row: str, kind: str, model: str, a: argparse.Namespace, jobdir: Path) -> dict[str, Any]:
+def run_job(row: str, kind: str, model: str, a: argparse.Namespace, jobdir: Path,
+            command: Optional[Any] = None, gated: Optional[bool] = None) -> dict[str, Any]:
+    """One job; `command(out, logs)` gives its argv (default: this benchmark's worker) and `gated` whether the
+    driver writes the worker's SIGKILL gate (default: a kill job under hyperpodrun)."""
     out, logs = jobdir / "records", jobdir / "logs"
     out.mkdir(parents=True)
     tag = uuid.uuid4().hex
-    argv = job_command(row, a, kind, model, out, logs)
+    argv = command(out, logs) if command is not None else job_command(row, a, kind, model, out, logs)
+    if gated is None:
+        gated = kind == "kill" and row != "nvrx"
     env = dict(os.environ, **{TAG_VAR: tag}, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -264,7 +269,7 @@ def run_job(row: str, kind: str, model: str, a: argparse.Namespace, jobdir: Path
             while (code := proc.poll()) is None:
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(argv, a.job_timeout)
-                if kind == "kill" and row != "nvrx":
+                if gated:
                     write_gate(out, logs, a.nproc)
                 time.sleep(0.1)
         except subprocess.TimeoutExpired:
