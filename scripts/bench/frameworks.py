@@ -50,7 +50,7 @@ def command(fw: str, row: str, kind: str, a: argparse.Namespace, out: Path, logs
     worker = [str(WORKER), "--framework", fw, "--row", row, "--size", a.size, "--kind", kind, "--faults",
               str(a.faults), "--fault-every", str(a.fault_every), "--fault-gap",
               str(a.kill_gap if kind == "kill" else 0.0), "--warmup", str(a.warmup), "--tail", str(a.tail),
-              "--ckpt-every", str(a.ckpt_every), "--loader-workers", str(a.loader_workers), "--arm-timeout",
+              "--ckpt-every", str(a.ckpt_every), "--loader-workers", str(a.loader_workers), "--build", a.build, "--arm-timeout",
               str(a.arm_timeout), "--out", str(out)]
     if row == "torchrun":
         return [find_launcher("torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), "--max-restarts",
@@ -72,7 +72,8 @@ def table(summary: dict[str, Any]) -> str:
     meta = summary["meta"]
     lines = ["# Frameworks: Lightning and the Hugging Face Trainer, by how the script is written", "",
              f"Machine: {st.machine_line(meta['machine'])}.", "", f"Command: `{meta['command']}`", "",
-             f"{meta['nproc']} rank(s), model size {meta['size']}; {meta['faults']} faults per job. Seconds; median "
+             f"{meta['nproc']} rank(s), model size {meta['size']}, made on the {meta.get('build', 'cpu')}; "
+             f"{meta['faults']} faults per job. Seconds; median "
              "(min-max) over the faults. \"vs none\": the row's mean steady step over the `none` row's (same "
              "framework, same fault kind, same invocation).", ""]
     for fw, jobs in summary["frameworks"].items():
@@ -123,6 +124,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--tail", type=int, default=4)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--loader-workers", type=int, default=2)
+    ap.add_argument("--build", default="cpu", choices=("cpu", "device"),
+                    help="where the worker makes the module: on the host (moved by the framework) or on the GPU")
     ap.add_argument("--kill-gap", type=float, default=1.0)
     ap.add_argument("--arm-timeout", type=float, default=30.0)
     ap.add_argument("--no-standby", default="", help="rows whose SIGKILL job also runs with --standby-workers 0 "
@@ -153,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "meta": {"command": " ".join(["python", "scripts/bench/frameworks.py",
                                       *(argv if argv is not None else sys.argv[1:])]),
                  "machine": st.machine(), "size": a.size, "nproc": a.nproc, "faults": a.faults,
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                 "build": a.build, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
         "frameworks": {fw: [] for fw in a.frameworks}}
     try:
         for fw in a.frameworks:

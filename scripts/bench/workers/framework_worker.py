@@ -46,6 +46,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+# the frameworks at the top, as scripts import them (the launcher's zygote imports these ahead for a respawn)
+import lightning.pytorch as pl  # noqa: E402
+import transformers  # noqa: E402,F401
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
 RANK = int(os.environ.get("RANK", "0"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -69,6 +74,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tail", type=int, default=4)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--loader-workers", type=int, default=2)
+    p.add_argument("--build", choices=("cpu", "device"), default="cpu",
+                   help="where the module is made: on the host (then moved by the framework) or on the GPU")
     p.add_argument("--gate", action="store_true")
     p.add_argument("--arm-timeout", type=float, default=30.0)
     p.add_argument("--out", required=True)
@@ -106,14 +113,17 @@ class Tokens(Dataset):
 
 
 def build_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
     t0 = time.time()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=S["vocab"], hidden_size=S["hidden"], intermediate_size=S["mlp"],
                          num_hidden_layers=S["layers"], num_attention_heads=S["heads"],
                          num_key_value_heads=S["heads"], max_position_embeddings=S["seq"], tie_word_embeddings=False,
                          attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
+    if ARGS.build == "device" and CUDA:   # made on the GPU: no host init, no copy (the fastest pattern)
+        with torch.device("cuda", LOCAL_RANK):
+            model = LlamaForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(config)
     note("built", s=round(time.time() - t0, 3), params=sum(p.numel() for p in model.parameters()))
     return model
 
@@ -179,8 +189,6 @@ def entry(gen: int, start: int, cm: Any) -> None:
 
 # ------------------------------------------------------------------------------------------ Lightning
 def lightning_job(gen: int, cm: Any, module: Optional[Any], caller: Any) -> None:
-    import lightning.pytorch as pl
-
     class Data(pl.LightningDataModule):
         def train_dataloader(self) -> DataLoader:
             return DataLoader(Tokens(), batch_size=S["batch"], shuffle=True, num_workers=ARGS.loader_workers)
@@ -188,6 +196,10 @@ def lightning_job(gen: int, cm: Any, module: Optional[Any], caller: Any) -> None
     faults = Faults(gen)
 
     class Record(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if cm is None and caller is not None:   # the callback reports progress; without it, the script does
+                caller.progress(trainer.global_step)
+
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             entry(gen, trainer.global_step, cm)
 
@@ -226,12 +238,15 @@ def lightning_job(gen: int, cm: Any, module: Optional[Any], caller: Any) -> None
 
 
 # ------------------------------------------------------------------------------------------ Hugging Face
-def hf_job(gen: int, cm: Any, model: Optional[torch.nn.Module]) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+def hf_job(gen: int, cm: Any, model: Optional[torch.nn.Module], caller: Any) -> None:
     from transformers.trainer_utils import get_last_checkpoint
     faults = Faults(gen)
 
     class Record(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if cm is None and caller is not None:
+                caller.progress(state.global_step)
+
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             entry(gen, state.global_step, cm)
 
@@ -291,7 +306,7 @@ def hyperpodrun_rows() -> None:
         if ARGS.framework == "lightning":
             lightning_job(gen, cm, kept, caller)
         else:
-            hf_job(gen, cm, kept)
+            hf_job(gen, cm, kept, caller)
         release()
 
     main()
@@ -299,7 +314,6 @@ def hyperpodrun_rows() -> None:
 
 def lightning_module(model: torch.nn.Module) -> Any:
     """`model` in the job's LightningModule (the loss is the model's own; fused AdamW on the GPU)."""
-    import lightning.pytorch as pl
 
     class Lit(pl.LightningModule):
         def __init__(self, m: torch.nn.Module) -> None:
@@ -322,7 +336,7 @@ def torchrun_row() -> None:
     if ARGS.framework == "lightning":
         lightning_job(gen, None, None, None)
     else:
-        hf_job(gen, None, None)
+        hf_job(gen, None, None, None)
     release()
 
 
