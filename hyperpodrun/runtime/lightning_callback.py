@@ -247,45 +247,42 @@ def keep_on_device(trainer: Any) -> None:
     and the fit that the restart runs next moves the module back. A survivor's tensors must stay where they
     are for the state tier to keep them live, and what the failed generation leaves behind is collected by
     HPWrapper's finalize (gc.collect, torch.cuda.empty_cache) before the next generation starts. Only this one
-    teardown is changed: the strategy gets an instance attribute that removes itself when called."""
+    teardown is changed: the strategy gets an instance attribute that removes itself when called.
+
+    The helper patched is a module global of Lightning's strategy modules, so this relies on no other thread of
+    the process tearing a Trainer down at the same moment (Lightning itself never does)."""
     strategy = getattr(trainer, "strategy", None)
     if strategy is None or "teardown" in vars(strategy):
         return
     full = type(strategy).teardown
 
     def teardown() -> None:
-        vars(strategy).pop("teardown", None)
-        undo: list[tuple[Any, str, Any, bool]] = []
-
-        def swap(owner: Any, name: str, value: Any) -> None:
-            had = name in (owner if isinstance(owner, dict) else vars(owner))
-            old = (owner if isinstance(owner, dict) else vars(owner)).get(name)
-            undo.append((owner, name, old, had))
-            if isinstance(owner, dict):
-                owner[name] = value
-            else:
-                setattr(owner, name, value)
+        del vars(strategy)["teardown"]
+        scopes = {id(fn.__globals__): fn.__globals__ for cls in type(strategy).__mro__
+                  if (fn := vars(cls).get("teardown")) is not None
+                  and "_optimizers_to_device" in getattr(fn, "__globals__", {})}
+        moves = [(scope, scope["_optimizers_to_device"]) for scope in scopes.values()]
+        module, accelerator = getattr(strategy, "lightning_module", None), getattr(strategy, "accelerator", None)
+        for scope, _ in moves:
+            scope["_optimizers_to_device"] = _stay
+        if module is not None:
+            vars(module)["cpu"] = lambda: module
+        if accelerator is not None:
+            vars(accelerator)["teardown"] = _stay
         try:
-            for cls in type(strategy).__mro__:   # the module-level helper the base teardown moves optimizers with
-                fn = vars(cls).get("teardown")
-                scope = getattr(fn, "__globals__", None)
-                if isinstance(scope, dict) and "_optimizers_to_device" in scope:
-                    swap(scope, "_optimizers_to_device", lambda *a, **k: None)
-            module = getattr(strategy, "lightning_module", None)
-            if module is not None:
-                swap(module, "cpu", lambda: module)
-            accelerator = getattr(strategy, "accelerator", None)
-            if accelerator is not None:
-                swap(accelerator, "teardown", lambda: None)
             full(strategy)
         finally:
-            for owner, name, old, had in reversed(undo):
-                target = owner if isinstance(owner, dict) else vars(owner)
-                if had:
-                    target[name] = old
-                else:
-                    target.pop(name, None)
+            for scope, move in moves:
+                scope["_optimizers_to_device"] = move
+            if module is not None:
+                vars(module).pop("cpu", None)
+            if accelerator is not None:
+                vars(accelerator).pop("teardown", None)
     strategy.teardown = teardown
+
+
+def _stay(*args: Any, **kwargs: Any) -> None:
+    """Stands in for moving the optimizers to the host and for the accelerator's teardown (keep_on_device)."""
 
 
 def _ddp_takes_init_sync() -> bool:

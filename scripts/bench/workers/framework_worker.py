@@ -302,14 +302,19 @@ def hyperpodrun_rows() -> None:
     @HPWrapper(checkpoint_manager=cm)
     def main(caller: Any = None) -> None:
         gen = caller.iteration
-        note("enter", gen=gen)
-        if ARGS.framework == "lightning":
-            lightning_job(gen, cm, kept, caller)
-        else:
-            hf_job(gen, cm, kept, caller)
-        release()
+        train_once(gen, cm, kept, caller)
 
     main()
+
+
+def train_once(gen: int, cm: Any, kept: Any, caller: Any) -> None:
+    """One generation: the framework's training from `kept` (or a module built now), then the group released."""
+    note("enter", gen=gen)
+    if ARGS.framework == "lightning":
+        lightning_job(gen, cm, kept, caller)
+    else:
+        hf_job(gen, cm, kept, caller)
+    release()
 
 
 def lightning_module(model: torch.nn.Module) -> Any:
@@ -332,12 +337,7 @@ def torchrun_row() -> None:
     gen = int(os.environ.get(GENERATION_ENV, "0"))
     if CUDA:
         torch.cuda.set_device(LOCAL_RANK)
-    note("enter", gen=gen)
-    if ARGS.framework == "lightning":
-        lightning_job(gen, None, None, None)
-    else:
-        hf_job(gen, None, None, None)
-    release()
+    train_once(gen, None, None, None)
 
 
 if __name__ == "__main__":
