@@ -83,11 +83,13 @@ def wire_device() -> Any:
     "nccl-legacy" is not `== "nccl"`). Read from the group's own device types, not the name the user typed."""
     import torch
     import torch.distributed as dist
-    group = dist.distributed_c10d._get_default_group()
-    types = getattr(group, "_device_types", None)
+    try:
+        types = getattr(dist.distributed_c10d._get_default_group(), "_device_types", None)
+    except (ValueError, RuntimeError):   # no default group of torch's own (a wrapped or stand-in dist)
+        types = None
     if types is not None:
         on_host = any(torch.device(t).type == "cpu" for t in types)
-    else:   # a torch without the attribute: the old rule
+    else:   # a torch without the attribute: the name's rule
         on_host = "nccl" not in str(dist.get_backend()).lower()
     return torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
 
