@@ -143,7 +143,7 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
             torch.cuda.set_device(device)
             torch.zeros(1, device=f"cuda:{device}")   # the context, made now rather than after the fault
             info.update(cuda=True, device=device)
-            info["nccl_warm_s"] = warm_nccl(device)
+            info["nccl_warm_s"] = warm_nccl(device, info)
             if req.get("kernel_warm", True):
                 info["kernel_warm"] = "background"
             slot_dir = req.get("slot_dir")
@@ -194,19 +194,30 @@ def warm_kernels(device: int, stop: Callable[[], bool]) -> None:
                     "goes", os.getpid(), type(exc).__name__, exc)
 
 
-def warm_nccl(device: int) -> Optional[float]:
+def warm_nccl(device: int, info: Optional[dict[str, Any]] = None) -> Optional[float]:
     """Form and end a one-rank NCCL group on this GPU: NCCL's once-per-process start (loading, topology) is
     then done when the rank's own group forms after a fault (0.41 s for a fresh process's first group on an
     H200 host, 0.02 s for the next one). NCCL's own settings are read here, from the job's environment, as
-    they would be in the rank. Seconds taken, or None where there is no NCCL."""
+    they would be in the rank - TORCH_DIST_USE_NCCL2 included, so "nccl" builds the engine the rank's "nccl"
+    gets (nccl2 on torch 2.15, nccl-legacy before it or with TORCH_DIST_USE_NCCL2=0; both load the same
+    libnccl, whose start is what is warmed). Which engine was formed is read from the group's backend
+    (runtime/pg_kind.py) into `info["nccl_warm_kind"]`; a "nccl" that a plugin replaced by something else
+    is ended without a collective. Seconds taken, or None where there is no NCCL."""
     import torch
     import torch.distributed as dist
+
+    from hyperpodrun.runtime import pg_kind
     if not (dist.is_available() and dist.is_nccl_available()):
         return None
     t0 = time.monotonic()
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device("cuda", device))
     try:
+        kinds = pg_kind.group_kinds(dist.distributed_c10d._get_default_group())
+        if info is not None:
+            info["nccl_warm_kind"] = ",".join(sorted(kinds))
+        if not pg_kind.uses_nccl(kinds):
+            return None
         t = torch.ones(1, device=f"cuda:{device}")
         dist.all_reduce(t)
         torch.cuda.synchronize()

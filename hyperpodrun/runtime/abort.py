@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from hyperpodrun.launch import settings
+from hyperpodrun.runtime import pg_kind
 
 log = logging.getLogger("hyperpodrun.runtime")
 
@@ -183,7 +184,8 @@ def shutdown_generation_sockets() -> int:
 class AbortProcessGroups(Abort):
     """Tear down the failed generation's process groups without blocking and without destructing them.
 
-    NCCL: abort the communicators (unblocks kernels and collectives in flight). gloo: an abort does not
+    NCCL (nccl-legacy or nccl2, told apart by pg_kind from the groups' backends): abort the communicators
+    (unblocks kernels and collectives in flight). gloo: an abort does not
     unblock a collective in flight (verified); what does is the peer's connections going down - so the
     connected TCP sockets the generation opened are shut down (peers blocked in a collective with us fail
     within milliseconds). The groups are removed from torch's registry, so `init_process_group()` works
@@ -197,16 +199,12 @@ class AbortProcessGroups(Abort):
             return
         if not dist.is_available() or not dist.is_initialized():
             return
-        backend = ""
-        try:
-            backend = str(dist.get_backend()).lower()
-        except Exception:
-            pass
+        nccl = pg_kind.uses_nccl(pg_kind.current_kinds())   # what the groups are, not the name typed
         park_process_groups()
-        if "nccl" in backend and abort_nccl_in_background():
+        if nccl and abort_nccl_in_background():
             shutdown_generation_sockets()
             return
-        if "nccl" in backend:
+        if nccl:
             abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort_pg is not None:
                 try:
@@ -228,18 +226,24 @@ class AbortProcessGroups(Abort):
 
 _REGISTRY = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
              "pg_coalesce_state")
+#: registry parts that only some torch versions have: torch 2.15 keeps each nccl2 group's FlightRecorder hook
+#: in a dict keyed by the group (left there, it would hold every ended group alive)
+_REGISTRY_SINCE = ("pg_flight_recorder_hooks",)
 
 
 def _detach_registry(c10d: Any) -> bool:
     """Empty torch's registry of process groups, aborting and destructing none of them (what
     _abort_process_group does after its aborts), so that init_process_group works again at once; False
-    where this torch lacks one of the pieces (then nothing was changed)."""
+    where this torch lacks one of the pieces, or holds torchcomms communicators (`_world.comms`, which only
+    torch's destroy_process_group finalizes) - then nothing was changed."""
     world = getattr(c10d, "_world", None)
     update = getattr(c10d, "_update_default_pg", None)
     if world is None or update is None or not all(isinstance(getattr(world, n, None), dict) for n in _REGISTRY):
         return False
+    if getattr(world, "comms", None):
+        return False
     update(None)
-    for name in _REGISTRY:
+    for name in _REGISTRY + tuple(n for n in _REGISTRY_SINCE if isinstance(getattr(world, n, None), dict)):
         getattr(world, name).clear()
     getattr(c10d, "_unregister_all_process_groups", lambda: None)()
     world.group_count = 0
@@ -253,29 +257,24 @@ def abort_nccl_in_background() -> bool:
     its own threads), while the next generation's group is ready 0.02 s after init begins, and the abort's
     effect that matters - kernels and collectives in flight on the failed generation return - comes at its
     start. So the groups are parked (park_process_groups), torch's registry is emptied so init_process_group
-    works again, and a thread runs their aborts inside one NCCL group (as _abort_process_group does, so the
-    communicators' aborts cannot deadlock each other). The releaser of parked groups waits for that thread
-    before it destructs any (release_parked), and so does the end of the job. Returns False (nothing done)
+    works again, and a thread runs their aborts - nccl-legacy's inside one NCCL group (as _abort_process_group
+    does, so the communicators' aborts cannot deadlock each other), nccl2's each on its own (pg_kind). The
+    releaser of parked groups waits for that thread before it destructs any (release_parked), and so does the
+    end of the job. Returns False (nothing done)
     with HYPERPODRUN_NCCL_ABORT_BACKGROUND=0 or where this torch lacks what it needs; the caller then aborts
     in its own thread."""
     global _RELEASER
     if not settings.current().nccl_abort_background:
         return False
     try:
-        import torch
         import torch.distributed as dist
         c10d = dist.distributed_c10d
-        world = c10d._world
-        groups = sorted(world.pg_names, key=lambda pg: world.pg_names[pg], reverse=True)
-        default: Any = c10d.GroupMember.WORLD
-        try:
-            first = default._get_backend(torch.device("cuda")) if default is not None else None
-        except (RuntimeError, AttributeError):
-            first = None
+        groups = pg_kind.registered_groups()
         if not groups or not all(hasattr(pg, "abort") for pg in groups):
             return False
     except (ImportError, AttributeError):
         return False
+    start, end = pg_kind.group_bracket(groups)   # nccl-legacy: one NCCL group; nccl2: none (see pg_kind)
     park_process_groups()
     if not _detach_registry(c10d):
         return False
@@ -285,7 +284,6 @@ def abort_nccl_in_background() -> bool:
     def run() -> None:
         if previous is not None:
             previous.join()
-        start, end = getattr(first, "_group_start", None), getattr(first, "_group_end", None)
         try:
             if start is not None and end is not None:
                 start()

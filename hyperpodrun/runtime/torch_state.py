@@ -35,12 +35,15 @@ def _device_ids() -> dict:
 
 
 def _abort_nccl_from_monitor() -> None:
-    """NCCL only: abort the communicators from the monitor thread, so a main thread blocked on the GPU (a
-    collective whose peer died, a synchronize, `.item()`) returns and the interrupt can land. gloo groups are
-    left to the main thread (destroying them from another thread is not safe)."""
+    """NCCL only (nccl-legacy or nccl2, told by the groups' backends: pg_kind): abort the communicators from the
+    monitor thread, so a main thread blocked on the GPU (a collective whose peer died, a synchronize, `.item()`)
+    returns and the interrupt can land. gloo groups are left to the main thread (destroying them from another
+    thread is not safe)."""
     try:
         import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend()).lower():
+
+        from hyperpodrun.runtime import pg_kind
+        if not (dist.is_available() and dist.is_initialized()) or not pg_kind.uses_nccl(pg_kind.current_kinds()):
             return
         from hyperpodrun.runtime.abort import abort_nccl_in_background
         if abort_nccl_in_background():

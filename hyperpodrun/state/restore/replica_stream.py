@@ -77,12 +77,21 @@ class _Pending:
 
 
 def wire_device() -> Any:
-    """The device point-to-point tensors travel on: the current CUDA device on NCCL, the host otherwise."""
+    """The device tensors travel on over the job's default group: the host where the group has a CPU backend
+    (gloo, or the gloo half of `cpu:gloo,cuda:nccl`), else the current CUDA device (an NCCL-only group:
+    nccl-legacy or nccl2, however the backend was spelled - torch 2.15's "nccl" is nccl2, and its
+    "nccl-legacy" is not `== "nccl"`). Read from the group's own device types, not the name the user typed."""
     import torch
     import torch.distributed as dist
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    try:
+        types = getattr(dist.distributed_c10d._get_default_group(), "_device_types", None)
+    except (ValueError, RuntimeError):   # no default group of torch's own (a wrapped or stand-in dist)
+        types = None
+    if types is not None:
+        on_host = any(torch.device(t).type == "cpu" for t in types)
+    else:   # a torch without the attribute: the name's rule
+        on_host = "nccl" not in str(dist.get_backend()).lower()
+    return torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
 
 
 def placement(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -149,8 +149,8 @@ def gather(mine: Inventory, channel: Channel) -> Gathered:
     if not (dist.is_available() and dist.is_initialized()):
         return Gathered([mine], {})
     world, me = dist.get_world_size(), dist.get_rank()
-    dev = torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" \
-        else torch.device("cpu")
+    from hyperpodrun.state.restore.replica_stream import wire_device
+    dev = wire_device()     # what the group carries: the host on gloo, the GPU on nccl-legacy / nccl2
     blob = encode(mine, channel, me)
     size = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
     sizes = [torch.empty_like(size) for _ in range(world)]
