@@ -106,7 +106,8 @@ def test_node_zero_lost_whole_and_replaced(launcher, tmp_path, two_jobs):
     mid-training and its command started again: both agents exit 0, node 1's ranks keep their processes,
     ranks 0 and 1 run in new processes from the committed step, and the state is bitwise equal to the
     fault-free run."""
-    port, jobs, _, _ = two_jobs
+    import torch.distributed as dist
+    port, jobs, store, _ = two_jobs
     job = on_coordinator(launcher, tmp_path, "lose-node0", port)
     node0 = job.start(0)
     wait_until(lambda: "node 0 waiting" in node0.proc.err(), 60, message="node 0 joined")
@@ -122,4 +123,6 @@ def test_node_zero_lost_whole_and_replaced(launcher, tmp_path, two_jobs):
     lost = node1.events("node_lost")
     assert lost and lost[0]["node"] == 0 and "declared lost" in lost[0]["msg"], info
     assert replacement.events("replacing"), info
+    claims = dist.PrefixStore(K.run_prefix(job.name), store)   # generation 1's workers' store: on the survivor
+    assert b"=node1:" in bytes(claims.get(K.worker_store_host(1))), info
     assert_same_state(jobs[0].out, job.out)
