@@ -3,8 +3,17 @@ so each generation's workers' store is hosted by the first live agent that needs
 address; and an agent that both watches every lease and follows the declared losses hears of each loss once."""
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from fakes import Harness, config, shared_store
+from hyperpodrun.agent.coordination.coordinator import MARKER, is_coordinator
 from hyperpodrun.agent.coordination.membership import once_each
+from hyperpodrun.agent.coordination.rendezvous import Seat, _StoreRendezvous
+from hyperpodrun.agent.ports import KVStore
+from hyperpodrun.errors import RendezvousError
+from hyperpodrun.launch.config import LaunchConfig
 
 
 def two_nodes() -> tuple[Harness, Harness]:
@@ -43,3 +52,26 @@ def test_each_loss_and_replacement_is_told_once_whoever_saw_it_first() -> None:
     joined = [("node_joined", (0, "inc9"))]
     assert once_each(joined, told) == joined and once_each(joined, told) == []
     assert once_each([("node_lost", (0, "inc9", "again"))], told)   # the replacement lost in turn: news again
+
+
+class _OnCoordinator(_StoreRendezvous):
+    """The rendezvous over an in-memory store that a coordinator marked (no sockets: the test is the decision)."""
+
+    def __init__(self, raw: KVStore) -> None:
+        super().__init__()
+        self.raw = raw
+
+    def open_store(self, cfg: LaunchConfig) -> tuple[KVStore, bool, str, str, int]:
+        return self.raw, False, "", "127.0.0.1", 29400
+
+    def node_rank(self, *args: Any) -> Seat:
+        raise AssertionError("an elastic job on a coordinator is refused before it takes a node rank")
+
+
+def test_an_elastic_job_on_a_coordinator_is_refused_with_one_line() -> None:
+    raw = shared_store()
+    raw.set(MARKER, "1")
+    assert is_coordinator(raw) and not is_coordinator(shared_store())
+    cfg = config(nnodes=3, min_nodes=2, rdzv_backend="c10d")
+    with pytest.raises(RendezvousError, match="standalone coordinator.*elastic.*--nnodes N"):
+        _OnCoordinator(raw).join(cfg, lambda: False)
