@@ -147,8 +147,8 @@ class Agent:
             if not any(c.__name__ == "DistError" for c in type(exc).__mro__):
                 raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self.events.emit("store_lost", f"lost the coordination store ({first}): the node that hosts it is gone "
-                             "or unreachable; stopping this node", level=logging.ERROR)
+            self.events.emit("store_lost", f"lost the coordination store ({first}): its host (a node, or a standalone "
+                             "coordinator) is gone or unreachable; stopping this node", level=logging.ERROR)
             return EXIT_AGENT_ERROR
         finally:
             self._cleanup()
@@ -212,7 +212,7 @@ class Agent:
                                          key=auth.derive(rdzv.secret, "store"), run_id=rdzv.run_id,
                                          node_rank=rdzv.node_rank, on_forged=lambda msg: post(("forged", msg)),
                                          incarnation=rdzv.incarnation, nodes=lambda: rdzv.nodes)
-        if rdzv.store_host:
+        if rdzv.store_host or rdzv.coordinator:   # with a coordinator: the generations this agent claims
             self.wstores = stores.WorkerStores(rdzv.bind_addr)   # loopback on one node (docs/security.md)
         self.tee = Tee(on_problem=lambda message: post(("output_dropped", message)))
         if cfg.inprocess_restart or cfg.health_check != "none":   # the socket also takes injected GPU events
@@ -222,6 +222,7 @@ class Agent:
         self.launcher = WorkerLauncher(cfg, rdzv, run_dir, self.host, sup, self.tee, self.events, control=endpoint,
                                        subreaper=self.subreaper, standby=self.standby, shm_dir=self.shm_dir)
         self.standby = None   # the launcher owns it now
+        self.launcher.store_addr = lambda generation: coord.worker_store_addr(generation) or rdzv.master_addr
         self.node = node = Node(cfg, rdzv, self.host, procs=sup, launcher=self.launcher, coord=coord,
                                 wstores=self.wstores, events=self.events, clock=self.clock,
                                 exit_grace_s=settings.current().exit_grace_s,
@@ -270,7 +271,8 @@ class Agent:
             return
         self.membership = Membership(self._helper_store(), lambda store: coord.view(store).records, self.inbox.post,
                                      node=rdzv.node_rank, nnodes=self.cfg.nnodes, incarnation=rdzv.incarnation,
-                                     node_timeout=self.cfg.node_timeout, watch_all=rdzv.store_host,
+                                     node_timeout=self.cfg.node_timeout,
+                                     watch_all=rdzv.store_host or rdzv.coordinator, news=rdzv.coordinator,
                                      nodes=lambda: rdzv.nodes, elastic=self.cfg.elastic)
         self.membership.start()
 

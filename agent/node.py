@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 from hyperpodrun import protocol as P
 from hyperpodrun.agent.ports import (Clock, Coordination, Events, Launcher, Posted, ProcessTable, RendezvousInfo,
                                      WorkerStoreHost)
+from hyperpodrun.agent.coordination import stores
 from hyperpodrun.agent.security.intruders import IntruderWatch
 from hyperpodrun.agent.observe.report import failure_summary
 from hyperpodrun.agent.restart_policy import ProcessRestart
@@ -203,8 +204,8 @@ class Node:
                              "job's outcome is unknown; exiting with an error", level=logging.ERROR)
             self.begin_stop(StopPlan.exit(EXIT_AGENT_ERROR), self.cfg.shutdown_signal)
         elif phase is not Phase.STOPPING:
-            self.events.emit("store_lost", f"lost the coordination store ({why}): the node that hosts it is gone "
-                             "or unreachable; stopping this node", level=logging.ERROR)
+            self.events.emit("store_lost", f"lost the coordination store ({why}): its host (a node, or a standalone "
+                             "coordinator) is gone or unreachable; stopping this node", level=logging.ERROR)
             self.begin_stop(StopPlan.exit(EXIT_AGENT_ERROR), self.cfg.shutdown_signal)
 
     def on_exit(self, proc: WorkerProcess) -> None:
@@ -319,9 +320,9 @@ class Node:
         return self.inproc.last_step(local_rank) if self.inproc is not None else None
 
     def open_worker_store(self, generation: int) -> None:
-        """On the store host: start generation `generation`'s worker store and publish its port."""
-        if self.rdzv.store_host and self.wstores is not None and self.wstores.get(generation) is None:
-            self.coord.publish_worker_store(generation, self.wstores.open(generation))
+        """Start generation `generation`'s worker store here and publish it, when this agent is to host it."""
+        if self.wstores is not None:
+            stores.open_worker_store(generation, self.wstores, self.coord, self.rdzv)
 
     def start_warm_spawner(self) -> None:
         self.launcher.start_warm_spawner()

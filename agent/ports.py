@@ -124,6 +124,9 @@ class RendezvousInfo:
     admitted: Optional[Layout] = None        # set when this agent joined an elastic job as a new node
     previous_world_size: Optional[int] = None   # the world size before the newest layout change
     layout_generation: int = -1              # the generation of the layout this agent started on (-1: as formed)
+    # the coordination store is a standalone coordinator (agent/coordination/coordinator.py): no agent hosts
+    # it; each generation's workers' store is hosted by the agent that claims it, every agent watches leases
+    coordinator: bool = False
 
     def __post_init__(self) -> None:
         if not self.counts:   # a fixed-size job of equal nodes (a test's or the single node's)
@@ -187,9 +190,13 @@ class Coordination(Protocol):
 
     def failure(self) -> Optional[FailureInfo]: ...
 
-    def publish_worker_store(self, generation: int, port: int) -> None: ...
+    def publish_worker_store(self, generation: int, port: int, addr: Optional[str] = None) -> None: ...
+
+    def claim_worker_store(self, generation: int) -> bool: ...
 
     def worker_store_port(self, generation: int) -> Optional[int]: ...
+
+    def worker_store_addr(self, generation: int) -> Optional[str]: ...
 
     def claim_root_cause(self, generation: int, info: FailureInfo) -> None: ...
 

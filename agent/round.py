@@ -258,8 +258,9 @@ class RoundBase:
                          duration_s=now - r.t_detect)
         lay = self.elastic.adopt(r)
         unreachable = []
+        addr = self.coord.worker_store_addr(r.target) or self.rdzv.master_addr   # the agent that hosts it
         for st in self.ranks.values():
-            go = P.Go(generation=r.target, master_addr=self.rdzv.master_addr, master_port=port)
+            go = P.Go(generation=r.target, master_addr=addr, master_port=port)
             if lay is not None:   # an elastic job shrank or grew: every rank's new place
                 st.rank = self.rdzv.rank_offset + st.local_rank
                 go = go.model_copy(update=dict(rank=st.rank, world_size=self.rdzv.world_size,

@@ -18,7 +18,7 @@ from hyperpodrun.errors import EXIT_USAGE, ConfigError
 from hyperpodrun.launch.flags import UNSUPPORTED, build_config
 from hyperpodrun.launch.host_checks import NUMA_MODES
 
-SUBCOMMANDS = ("logs", "inject")
+SUBCOMMANDS = ("logs", "inject", "coordinator")
 
 EPILOG = "\b\nRefused torchrun flags and values (exit 2, one line):\n" + "\n".join(
     f"  {flag}: {why}" for flag, why in UNSUPPORTED.values()) + """
@@ -27,7 +27,8 @@ EPILOG = "\b\nRefused torchrun flags and values (exit 2, one line):\n" + "\n".jo
   --event-log-handler other than null, console: hyperpodrun writes its own event log
 Accepted with no effect: --start-method, --event-log-handler null|console.
 Arguments after TRAINING_SCRIPT go to it; a first `--` right after it is dropped, as torchrun does.
-Subcommands: `hyperpodrun logs [LOG_DIR]`, `hyperpodrun inject ...` (each with --help)."""
+Subcommands: `hyperpodrun logs [LOG_DIR]`, `hyperpodrun inject ...`, `hyperpodrun coordinator --host H --port P`
+(each with --help)."""
 
 
 def _names(flag: str, *short: str) -> list[str]:

@@ -28,6 +28,11 @@ def _ipv4_of(host: str) -> list[str]:
     return list(dict.fromkeys(str(ai[4][0]) for ai in infos))
 
 
+def addresses_of(host: str) -> list[str]:
+    """`host` itself when it is an address, else the IPv4 addresses it resolves to here ([] when none)."""
+    return [host] if is_ip_literal(host) else _ipv4_of(host)
+
+
 def is_ip_literal(host: str) -> bool:
     try:
         ipaddress.ip_address(host)

@@ -1,4 +1,5 @@
-"""`hyperpodrun logs` (tail a run's worker logs or its event log) and `hyperpodrun inject` (fault drills).
+"""`hyperpodrun logs` (tail a run's worker logs or its event log), `hyperpodrun inject` (fault drills) and
+`hyperpodrun coordinator` (the standalone coordination store, agent/coordination/coordinator.py).
 
 Both read only our own trees and print no control characters (hyperpodrun/trusted_read.py)."""
 from __future__ import annotations
@@ -216,3 +217,45 @@ def inject(log_dir: Optional[str], rank: int, kind: str, step: Optional[int], ex
     if not getattr(reply, "ok", False):
         raise click.ClickException(T.printable(getattr(reply, "detail", "refused")))
     click.echo(T.printable(getattr(reply, "detail", "ok")))
+
+
+@tools.command("coordinator")
+@click.option("--host", required=True, metavar="ADDRESS",
+              help="The address to listen on: this machine's address on the jobs' network (0.0.0.0: every "
+                   "interface, with a warning).")
+@click.option("--port", type=click.IntRange(1, 65535), required=True,
+              help="The port; the agents' --rdzv-endpoint is ADDRESS:PORT.")
+def coordinator(host: str, port: int) -> None:
+    """Serve the agents' coordination store on ADDRESS:PORT until SIGTERM/SIGINT (CPU only, no workers).
+
+    Agents started with --rdzv-backend c10d --rdzv-endpoint ADDRESS:PORT use it and host no coordination store
+    themselves, so any node - node 0 included - can be lost and replaced (docs/deployment.md). Start it before
+    the agents; one coordinator per job unless the jobs trust each other (docs/security.md)."""
+    import logging
+
+    from hyperpodrun import netaddr
+    from hyperpodrun.errors import HyperpodrunError
+    from hyperpodrun.launch import settings
+    try:
+        settings.use(settings.load())
+    except HyperpodrunError as exc:
+        raise click.UsageError(str(exc)) from None
+    ours = [a for a in netaddr.addresses_of(host) if a in ("0.0.0.0", "::") or netaddr.is_bindable(a)]
+    if not ours:
+        raise click.UsageError(f"--host {host!r} is not an address of this machine; give one of its addresses "
+                               "(or 0.0.0.0 for every interface)")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[hyperpodrun coordinator %(asctime)s] %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("hyperpodrun")
+    root.handlers[:] = [handler]
+    root.setLevel(settings.current().log_level)
+    root.propagate = False
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # broken agent connections are no news here
+    from hyperpodrun.agent.coordination.coordinator import serve
+    try:
+        code = serve(ours[0], port)
+    except HyperpodrunError as exc:
+        root.error("hyperpodrun coordinator: %s", exc)
+        code = 1
+    logging.shutdown()
+    sys.exit(code)

@@ -117,12 +117,32 @@ class Coordinator:
         return FailureInfo.from_json(value) if value is not None else None
 
     # ------------------------------------------------------------ worker stores
-    def publish_worker_store(self, generation: int, port: int) -> None:
-        self.records.write(K.worker_store(generation), str(port))
+    def publish_worker_store(self, generation: int, port: int, addr: Optional[str] = None) -> None:
+        """Generation `generation`'s workers' store listens on `port` (of the store host, or of `addr`)."""
+        self.records.write(K.worker_store(generation), f"{addr}:{port}" if addr else str(port))
+
+    def claim_worker_store(self, generation: int) -> bool:
+        """With a standalone coordinator: True when this agent is the one to host `generation`'s workers' store
+        (the first agent that needs it - a live one, by definition - wins)."""
+        self.check_holder()
+        return self.records.claim(K.worker_store_host(generation), self._me) == self._me
+
+    def _worker_store(self, generation: int) -> Optional[tuple[Optional[str], int]]:
+        value = self.records.read(K.worker_store(generation))
+        if value is None:
+            return None
+        addr, _, port = value.rpartition(":")
+        return (addr or None), int(port)
 
     def worker_store_port(self, generation: int) -> Optional[int]:
-        value = self.records.read(K.worker_store(generation))
-        return int(value) if value is not None else None
+        found = self._worker_store(generation)
+        return found[1] if found is not None else None
+
+    def worker_store_addr(self, generation: int) -> Optional[str]:
+        """The address of `generation`'s workers' store when an agent other than the store host serves it
+        (a standalone coordinator's job); None: the rendezvous' master address."""
+        found = self._worker_store(generation)
+        return found[0] if found is not None else None
 
     # ------------------------------------------------------------ in-process rounds
     def claim_root_cause(self, generation: int, info: FailureInfo) -> None:

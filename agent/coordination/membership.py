@@ -170,12 +170,16 @@ class Membership(threading.Thread):
     Only the agent that hosts the coordination store (`watch_all`) reads every lease - locally, as its store
     is in-process - and declares the losses (agent/node.py); every other agent reads one record, the list of
     declared losses, so the store's load per renewal interval grows with the number of nodes, not its square.
+    With a standalone coordinator no agent hosts the store, and any node may be the one lost: every agent
+    then watches every lease and also follows the declared losses (`news`), each event told once - the
+    store's load then grows with the square of the number of nodes (docs/deployment.md says so).
     """
 
     def __init__(self, open_store: Callable[[], KVStore], records: Callable[[KVStore], SignedRecords],
                  post: Callable[[Posted], None], *, node: int, nnodes: int, incarnation: str,
                  node_timeout: float, watch_all: bool, clock: Callable[[], float] = time.monotonic,
-                 nodes: Optional[Callable[[], Sequence[int]]] = None, elastic: bool = False) -> None:
+                 nodes: Optional[Callable[[], Sequence[int]]] = None, elastic: bool = False,
+                 news: bool = False) -> None:
         super().__init__(name="hyperpodrun-membership", daemon=True)
         self._open_store = open_store
         self._records = records
@@ -187,6 +191,7 @@ class Membership(threading.Thread):
         self.incarnation = incarnation
         self.timeout = node_timeout
         self.watch_all = watch_all
+        self.news = news                    # with watch_all: follow the declared losses too (coordinator)
         self.interval = lease_interval(node_timeout)
         self._clock = clock
         self._stop = threading.Event()
@@ -204,6 +209,7 @@ class Membership(threading.Thread):
         told = LossNews(self.node)
         spares_told: set[Any] = set()
         joins_told: set[tuple[int, str]] = set()
+        once: set[tuple[Any, ...]] = set()
         count = 0
         while not self._stop.is_set():
             try:
@@ -223,9 +229,11 @@ class Membership(threading.Thread):
                         if spare.get("incarnation") not in spares_told:
                             spares_told.add(spare.get("incarnation"))
                             events.append(("spare", (spare.get("incarnation"), spare.get("host"))))
+                    if self.news:
+                        events += told.observe(members.losses(), members.holder)
                 else:
                     events = told.observe(members.losses(), members.holder)
-                for event in events:
+                for event in once_each(events, once):
                     self._post(event)
             except Exception as exc:  # the store host is gone: the watcher reports it; stop renewing
                 log.debug("membership: store unreachable (%s)", exc)
@@ -244,6 +252,20 @@ class Membership(threading.Thread):
                 told.add((n, join.incarnation))
                 events.append(("node_joining", (n, join)))
         return events
+
+
+def once_each(events: list[Posted], told: set[tuple[Any, ...]]) -> list[Posted]:
+    """`events` less the node losses and replacements already in `told` (noted there): an agent that both
+    watches the leases and follows the declared losses hears of each loss once, whoever declared it."""
+    out: list[Posted] = []
+    for kind, value in events:
+        key = (kind, *value[:2]) if kind in ("node_lost", "node_joined") else None
+        if key is not None and key in told:
+            continue
+        if key is not None:
+            told.add(key)
+        out.append((kind, value))
+    return out
 
 
 class LossNews:

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 from hyperpodrun import auth, netaddr
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.coordination import stores
+from hyperpodrun.agent.coordination.coordinator import is_coordinator
 from hyperpodrun.agent.coordination.signed_records import SignedRecords
 from hyperpodrun.agent.coordination.layout import LayoutRecords, free_ranks
 from hyperpodrun.agent.coordination.membership import MemberRecords, lease_interval, new_incarnation
@@ -128,6 +129,15 @@ class _StoreRendezvous(abc.ABC):
     def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
         run_id = cfg.rdzv_id
         raw, serve, bind, host, port = self.open_store(cfg)
+        coordinator = not serve and is_coordinator(raw)
+        if coordinator:
+            if cfg.elastic:
+                raise RendezvousError(f"{host}:{port} is a standalone coordinator, which does not run elastic jobs "
+                                      f"(--nnodes {cfg.min_nnodes}:{cfg.nnodes}) yet; give --nnodes N, or let an "
+                                      "agent host the store (no coordinator at that endpoint)")
+            # no agent hosts the store: each serves the workers' stores it claims, on its address towards it
+            bind = netaddr.multi_node_bind(host, cfg.local_addr)
+            log.info("the coordination store at %s:%d is a standalone coordinator: this agent hosts none", host, port)
         store = stores.prefixed(K.run_prefix(run_id), raw)
         store.set_timeout(timedelta(seconds=cfg.join_timeout))
         secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id, f"{host}:{port}")
@@ -152,7 +162,8 @@ class _StoreRendezvous(abc.ABC):
                               secret=secret, secret_warning=warning, incarnation=incarnation,
                               replacing=seat.replacing, counts=counts, admitted=seat.admitted,
                               previous_world_size=seat.admitted.previous_world_size if seat.admitted else None,
-                              layout_generation=layout.generation if layout is not None else -1)
+                              layout_generation=layout.generation if layout is not None else -1,
+                              coordinator=coordinator)
 
     @staticmethod
     def wait_for_nodes(store: KVStore, cfg: LaunchConfig, node_rank: int, host: str,

@@ -54,8 +54,14 @@ def restart_claim(generation: int) -> str:
 
 
 def worker_store(generation: int) -> str:
-    """The port of `generation`'s worker store, published by the agent that hosts it."""
+    """The port of `generation`'s worker store ("PORT" on the store host; "ADDRESS:PORT" where a standalone
+    coordinator serves the coordination store), published by the agent that hosts it."""
     return f"wstore/{generation}"
+
+
+def worker_store_host(generation: int) -> str:
+    """With a standalone coordinator: which agent hosts `generation`'s worker store (the first claim wins)."""
+    return f"wstore_host/{generation}"
 
 
 # ------------------------------------------------------------------ in-process rounds (signed)

@@ -21,7 +21,7 @@ from hyperpodrun import netaddr
 from hyperpodrun.errors import RendezvousError
 
 if TYPE_CHECKING:
-    from hyperpodrun.agent.ports import KVStore
+    from hyperpodrun.agent.ports import Coordination, KVStore, RendezvousInfo, WorkerStoreHost
 
 log = logging.getLogger("hyperpodrun.agent")
 
@@ -112,3 +112,17 @@ class WorkerStores:
 
     def get(self, generation: int) -> Optional[object]:
         return self._servers.get(generation)
+
+
+def open_worker_store(generation: int, wstores: "WorkerStoreHost", coord: "Coordination",
+                      rdzv: "RendezvousInfo") -> None:
+    """Start generation `generation`'s worker store on this agent and publish it, if this agent hosts it: the
+    store host always; with a standalone coordinator (no store host), the first live agent that needs it
+    claims it and publishes its address with the port - the coordinator never serves a worker store, so its
+    restart never touches the workers (docs/ARCHITECTURE.md, "Stores")."""
+    if wstores.get(generation) is not None:
+        return
+    if rdzv.store_host:
+        coord.publish_worker_store(generation, wstores.open(generation))
+    elif rdzv.coordinator and coord.worker_store_port(generation) is None and coord.claim_worker_store(generation):
+        coord.publish_worker_store(generation, wstores.open(generation), rdzv.bind_addr)

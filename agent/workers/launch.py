@@ -96,6 +96,8 @@ class WorkerLauncher:
         self.control = control
         self.on_spawn = on_spawn
         self.env_for = env_for      # per-rank additions (a rank moved to a spare GPU: CUDA_VISIBLE_DEVICES)
+        # where generation g's workers' store listens (another agent's address with a standalone coordinator)
+        self.store_addr: Callable[[int], str] = lambda generation: self.rdzv.master_addr
         self.argv = worker_argv(cfg)
         self.base_env = self._base_env()
         self.cold = ColdSpawn(sup)
@@ -217,7 +219,7 @@ class WorkerLauncher:
             to_file = 0
         out = os.path.join(rank_dir, "stdout.log") if to_file & STD_OUT else None
         err = os.path.join(rank_dir, "stderr.log") if to_file & STD_ERR else None
-        env = worker_env(self.base_env, who, master_addr=self.rdzv.master_addr, master_port=store_port,
+        env = worker_env(self.base_env, who, master_addr=self.store_addr(generation), master_port=store_port,
                          generation=generation, max_restarts=self.cfg.max_restarts, run_id=self.rdzv.run_id,
                          error_file=error_file, run_dir=self.run_dir, host=self.host, control=self.control,
                          inprocess=self.cfg.inprocess_restart, heartbeat_interval=self.cfg.heartbeat_interval)
@@ -291,7 +293,7 @@ class WorkerLauncher:
         for lr in range(self.cfg.nproc_per_node):
             self.spawn(lr, generation, store_port, warm=warm)
         self.events.emit("workers_started", f"generation {generation}: started {self.cfg.nproc_per_node} workers "
-                         f"(store {self.rdzv.master_addr}:{store_port})", generation=generation)
+                         f"(store {self.store_addr(generation)}:{store_port})", generation=generation)
 
     def error_file(self, proc: WorkerProcess) -> Optional[str]:
         paths = self._paths.get(proc.pid)

@@ -211,6 +211,7 @@ class Harness:
     obey: bool = True       # workers end on the first signal they get
     incarnation: str = ""   # this agent's hold on its node rank ("": no holder checks, as before membership)
     replacing: Optional[NodeLoss] = None   # this agent takes over a lost node's rank (rendezvous found it)
+    coordinator: bool = False   # a standalone coordinator serves the store: no node hosts it, each may host workers'
 
     def __post_init__(self) -> None:
         cfg = self.cfg
@@ -220,7 +221,8 @@ class Harness:
         n = cfg.nproc_per_node
         self.rdzv = RendezvousInfo(node_rank=self.node_rank, nnodes=cfg.nnodes, rank_offset=self.node_rank * n,
                                    world_size=cfg.nnodes * n, run_id=RUN, master_addr="127.0.0.1", store=store,
-                                   store_host=self.node_rank == 0,
+                                   store_host=self.node_rank == 0 and not self.coordinator,
+                                   coordinator=self.coordinator,
                                    store_endpoint=None if cfg.single_node else ("127.0.0.1", 1),
                                    single_node=cfg.single_node, incarnation=self.incarnation,
                                    replacing=self.replacing)
@@ -232,7 +234,7 @@ class Harness:
         self.events.add_sink(self.sink)
         self.procs = FakeProcs()
         self.launcher = FakeLauncher(self.procs, self.clock, n, self.node_rank * n)
-        self.wstores = FakeWorkerStores() if self.node_rank == 0 else None
+        self.wstores = FakeWorkerStores() if self.node_rank == 0 or self.coordinator else None
         self.control = FakeControl()
         self.succeeded = 0
         self.node = Node(cfg, self.rdzv, f"h{self.node_rank}", procs=self.procs, launcher=self.launcher,
