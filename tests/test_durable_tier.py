@@ -173,23 +173,19 @@ def test_stopped_store_never_holds_up_training_and_restore_skips_partial_and_cor
     assert any(e["outcome"] in ("failed", "skipped") for e in notes), notes
     assert any(e["outcome"] == "written" for e in notes), notes
 
-    # a restore takes the newest complete checkpoint: not a newer one without its manifest, nor one whose object
-    # does not match its description
-    good = max(s3.complete_steps("stalled/"))
-    src = f"stalled/step_{good:012d}/"
-    for step, what in ((good + 100, "partial"), (good + 200, "corrupt")):
-        for key in s3.keys(src):
-            name = key.rsplit("/", 1)[1]
-            if what == "partial" and name == "manifest.json":
-                continue
-            body = s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
-            if name == "manifest.json":
-                body = json.dumps({**json.loads(body), "step": step}).encode()
-            if name.endswith(".json") and name.startswith("rank"):
-                body = json.dumps({**json.loads(body), "step": step}).encode()
-            if name == "__1_0.distcp" and what == "corrupt":
-                body = body[:100] + bytes([body[100] ^ 0xFF]) + body[101:]
-            s3.client.put_object(Bucket=BUCKET, Key=f"stalled/step_{step:012d}/{name}", Body=body)
+    # a restore never takes a checkpoint without its manifest (a newer copy of the newest one, less its manifest),
+    # nor one of whose objects does not match its description (the newest one, a byte of rank 1's object
+    # flipped): the next older complete one
+    complete = s3.complete_steps("stalled/")
+    assert len(complete) >= 2, complete
+    newest, good = complete[-1], complete[-2]
+    for key in s3.keys(f"stalled/step_{newest:012d}/"):
+        name = key.rsplit("/", 1)[1]
+        body = s3.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        if name != "manifest.json":
+            s3.client.put_object(Bucket=BUCKET, Key=f"stalled/step_{newest + 100:012d}/{name}", Body=body)
+        if name == "__1_0.distcp":
+            s3.client.put_object(Bucket=BUCKET, Key=key, Body=body[:100] + bytes([body[100] ^ 0xFF]) + body[101:])
     shutil.rmtree(tmp_path / "shm")
     env2 = {**env, "STEPS": str(good + 1), "STEP_SLEEP": "0"}
     res = launcher.start(job(tmp_path, "stall2"), log_dir=False, env=env2).wait(180)

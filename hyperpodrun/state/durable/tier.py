@@ -217,6 +217,8 @@ class DurableTier:
         obj = self.store.get(f"{d}/{layout.object_name(rank)}", part["size"])
         try:
             blob = layout.rebuild(part, obj, f"{where}/{layout.object_name(rank)}")
+        except SnapshotCorrupt:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise SnapshotCorrupt(f"{where}/rank{rank}.json: malformed ({exc})") from None
         del obj
