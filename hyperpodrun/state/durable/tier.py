@@ -111,6 +111,8 @@ class DurableTier:
             self._notes.append((outcome, step, detail))
 
     def _write(self, step: int, slot: str, rank: int, world: int) -> None:
+        from hyperpodrun.state.slots.slot_checksum import lowest_priority
+        lowest_priority()      # only CPU time the training leaves (the transfer threads it starts inherit it)
         began = time.monotonic()
         d = layout.step_dir(step)
         try:
