@@ -22,7 +22,7 @@ import io
 import logging
 import os
 import re
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Iterable, Iterator, Protocol, Sequence, Union
 
 from hyperpodrun.errors import CheckpointStoreError, MissingDependencyError
 from hyperpodrun.launch import settings
@@ -219,7 +219,10 @@ class S3Store:
                                        "check AWS_ENDPOINT_URL / AWS_REGION and the network") from None
 
     def put(self, key: str, chunks: Iterable[bytes]) -> None:
-        self.client.upload_fileobj(_Chunks(chunks), self.bucket, self.prefix + key, Config=self._transfer)
+        # buffered: read(n) then returns n bytes until the end (the transfer manager takes a short read for the
+        # last part, and S3 refuses a multipart upload whose other parts are under 5 MiB)
+        stream = io.BufferedReader(_Chunks(chunks), buffer_size=1 << 20)
+        self.client.upload_fileobj(stream, self.bucket, self.prefix + key, Config=self._transfer)
 
     def get(self, key: str, limit: int) -> bytes:
         got = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)
@@ -244,7 +247,3 @@ class S3Store:
             self.client.delete_objects(Bucket=self.bucket, Delete={
                 "Objects": [{"Key": self.prefix + k} for k in keys[i:i + 1000]], "Quiet": True})
 
-
-def describe(store: Optional[Store]) -> str:
-    """The store's URL for messages (None: no durable tier)."""
-    return store.url if store is not None else "-"
