@@ -69,9 +69,12 @@ class Restoring(Saving):
         self._slot_steps = {path: found for found, path in shm.items()}
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
             int(os.environ.get("WORLD_SIZE", 1))
-        # the durable tier's complete checkpoints at this world size (the newest verified for this rank)
-        disk = dict.fromkeys(self._durable.steps(self.rank, world), "") if self._durable is not None else {}
         copies = self._peers.held() if self._peers is not None else {}
+        # the durable tier's complete checkpoints; the newest verified for this rank (fetched) when it holds
+        # nothing in memory - a job lost whole and started again, a rank whose node is gone
+        bare = not shm and live_step is None
+        disk = dict.fromkeys(self._durable.steps(self.rank, world, verify=bare), "") \
+            if self._durable is not None else {}
         at = getattr(self._session, "step", None)
         mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
                            "copies": {src: sorted(steps) for src, steps in copies.items()},

@@ -169,10 +169,12 @@ class DurableTier:
             self.store.delete([k for k in doomed if not k.endswith("/manifest.json")])
 
     # ------------------------------------------------------------------ reading
-    def steps(self, rank: int, world: int) -> list[int]:
-        """The steps of the complete checkpoints written at this world size, for the restore plan: the newest
-        one that verifies for this rank (fetched now, kept for the restore) and every older one (verified when
-        read). An unreachable store lists nothing (logged)."""
+    def steps(self, rank: int, world: int, verify: bool = True) -> list[int]:
+        """The steps of the complete checkpoints, for the restore plan: with `verify` (a rank with nothing in
+        memory) the newest one that verifies for this rank (fetched now, kept for the restore) and every older
+        one (verified when read); without, every complete one (one listing: a rank that holds its state in
+        memory seldom reads the store, and a restore in-process must not download it). An unreachable store
+        lists nothing (logged)."""
         self._fetched.clear()
         try:
             keys = self.store.keys("step_")
@@ -181,6 +183,8 @@ class DurableTier:
             return []
         found = sorted((int(m.group(1)) for m in (_STEP_DIR.fullmatch(k.split("/", 1)[0]) for k in keys
                         if k.endswith("/manifest.json")) if m), reverse=True)
+        if not verify:
+            return sorted(found)
         out: list[int] = []
         for step in found:
             if out:
