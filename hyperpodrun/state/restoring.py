@@ -140,7 +140,7 @@ class Restoring(Saving):
             self._live = None
             source = "replica" if data is not None else ("shm" if step in shm else "disk")
             if source == "disk" and self._durable is not None:
-                try:   # rebuilt from the checkpoint's objects, every range checked; the slot checksum below
+                try:   # rebuilt from the checkpoint's objects, every range and the slot checksum checked
                     data = self._durable.fetch(step, self.rank, world)
                 except Exception as exc:
                     raise StateLostError(f"rank {self.rank}: the durable checkpoint {self._durable.where(step)} "
@@ -150,7 +150,8 @@ class Restoring(Saving):
             own = self._files.get(path) if data is None and trusted.get(path) == step else None
             # our own slot or fallback file was checked by find_snapshots just now (unless unverified); a slot
             # this process sealed is read through the mapping its saves write (registered with CUDA: DMA)
-            verified = data is None and path not in unverified
+            # a durable checkpoint's snapshot was verified as it was rebuilt (DurableTier.fetch)
+            verified = (data is None and path not in unverified) or bool(location)
             slot = DeviceReadable(path, pin=_has_cuda_tensors(state), mapped=own.mapping if own else None) \
                 if data is None else None
             what = f"snapshot of step {step}"

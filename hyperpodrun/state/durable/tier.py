@@ -112,11 +112,13 @@ class DurableTier:
 
     def _write(self, step: int, slot: str, rank: int, world: int) -> None:
         from hyperpodrun.state.slots.slot_checksum import lowest_priority
-        lowest_priority()      # only CPU time the training leaves (the transfer threads it starts inherit it)
         began = time.monotonic()
         d = layout.step_dir(step)
         try:
-            blob = _copy(slot)                            # the slot is rewritten two snapshots later
+            # the slot is rewritten two snapshots later (a host state: two steps): copied at once, at normal
+            # priority; the rest runs on CPU time the training leaves (the transfer threads inherit it)
+            blob = _copy(slot)
+            lowest_priority()
             try:
                 if slot_io.verify(blob, slot) != step:    # rewritten while it was copied: not this snapshot
                     raise SnapshotCorrupt(f"{slot}: holds another step")
