@@ -154,8 +154,9 @@ def test_stopped_store_never_holds_up_training_and_restore_skips_partial_and_cor
     env = worker_env(tmp_path, out, {**s3.env, "FALLBACK_DIR": url, "FALLBACK_EVERY": "2", "STEP_SLEEP": "0.2",
                                      "STEPS": "14", "HYPERPODRUN_DURABLE_TIMEOUT_S": "1"})
     proc = launcher.start(job(tmp_path, "stall"), log_dir=False, env=env)
-    wait_until(lambda: s3.complete_steps("stalled/") or proc.popen.poll() is not None, 120, 0.05,
-               "the first durable checkpoint")
+    # two complete checkpoints first: the restore below needs an older one to fall back to
+    wait_until(lambda: len(s3.complete_steps("stalled/")) >= 2 or proc.popen.poll() is not None, 120, 0.05,
+               "two durable checkpoints")
     os.kill(s3.proc.pid, signal.SIGSTOP)           # the object server stops answering, mid-upload or not
     try:
         def progress(rank: int) -> int:
