@@ -83,11 +83,19 @@ class InProcess(RoundBase):
                                  level=logging.DEBUG)
         elif isinstance(msg, P.Restored):
             where = "at the new world size" if msg.source == "resized" else f"from {msg.source}"
+            if msg.location:
+                where += f" ({msg.location})"
             seen = self.fault_step
             lost = max(msg.lost_steps, seen - msg.step) if seen is not None else msg.lost_steps
             self.events.emit("state_restored", f"state restored at step {msg.step} {where} "
                              f"({lost} step(s) to train again)", generation=msg.generation,
-                             step=msg.step, lost_steps=lost, source=msg.source)
+                             step=msg.step, lost_steps=lost, source=msg.source, location=msg.location or None)
+        elif isinstance(msg, P.Checkpointed):
+            # the durable tier of a rank (hyperpodrun/state/durable/tier.py): a checkpoint completed, or one
+            # skipped or failed while the training went on
+            self.events.emit("durable_checkpoint", f"rank {st.rank}: durable checkpoint of step {msg.step} "
+                             f"{msg.outcome}: {msg.detail}", rank=st.rank, step=msg.step, outcome=msg.outcome,
+                             detail=msg.detail, level=logging.INFO if msg.outcome == "written" else logging.WARNING)
         elif isinstance(msg, P.Done):
             st.done_gen = max(st.done_gen, msg.generation)
             st.state = "done"

@@ -106,6 +106,12 @@ class MissingDependencyError(HyperpodrunError, ImportError):
     """An optional dependency a feature needs is not installed (e.g. Lightning for CheckpointlessCallback)."""
 
 
+class CheckpointStoreError(HyperpodrunError, ValueError):
+    """CheckpointManager(fallback_dir=...) names a durable store that cannot be used: a URL of a scheme not
+    supported, a missing bucket, credentials the store refuses, a directory that cannot be written. Raised
+    when the manager is made (before any step), so the job ends at start, not hours later."""
+
+
 class SetupOrderError(HyperpodrunError, TypeError):
     """Something an in-process restart must create again on every re-entry was created before the HPWrapper
     function ran (a process group, e.g. by Hugging Face `TrainingArguments` built at module level). A
@@ -204,13 +210,13 @@ class CacheTimeoutError(HyperpodrunError, TimeoutError):
 #: the worker API's usage errors: in a launched worker one that nobody catches ends the process with one line
 #: and EXIT_USAGE (hyperpodrun/usage_exit.py), like a bad flag of the launcher
 USAGE_ERRORS: tuple[type[HyperpodrunError], ...] = (ConfigError, ApiValueError, ApiTypeError, SetupOrderError,
-                                                   MissingDependencyError)
+                                                   MissingDependencyError, CheckpointStoreError)
 
 __all__ = ["USAGE_ERRORS", 
     "EXIT_OK", "EXIT_USAGE", "EXIT_AGENT_ERROR", "EXIT_STATE_LOST", "EXIT_NO_USABLE_GPU", "EXIT_STEP_KEEPS_FAILING",
     "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED", "EXIT_INTRUDER", "RollCallError",
     "HyperpodrunError", "ConfigError", "RendezvousError", "WorkerSpawnError", "ProtocolError", "AuthError",
-    "UnsafePathError", "ApiValueError", "ApiTypeError", "MissingDependencyError", "SetupOrderError",
+    "UnsafePathError", "ApiValueError", "ApiTypeError", "MissingDependencyError", "CheckpointStoreError", "SetupOrderError",
     "RankEnvironmentTimeout",
     "OutOfOrderError", "HealthCheckError", "InjectedFault", "StateLostError", "StateMismatchError",
     "ReplicaLayoutError", "SnapshotCorrupt", "CodecError", "UnsupportedStateError", "MMAPConfigError",

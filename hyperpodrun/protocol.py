@@ -95,6 +95,20 @@ class Restored(_Msg):
     step: int
     lost_steps: int = 0
     source: str = "memory"
+    #: where a restore from the durable tier read its checkpoint (its URL), else ""
+    location: str = ""
+
+
+class Checkpointed(_Msg):
+    """What the durable tier did with a fallback checkpoint: written (complete, sent by the rank that completed
+    it), skipped (the previous one still being written, or its snapshot rewritten first) or failed (the store)."""
+
+    type: Literal["checkpointed"] = "checkpointed"
+    rank: int
+    pid: int
+    step: int
+    outcome: Literal["written", "skipped", "failed"]
+    detail: str = ""
 
 
 class Done(_Msg):
@@ -158,8 +172,8 @@ class InjectReply(_Msg):
     detail: str = ""
 
 
-Message = Annotated[Union[Hello, Heartbeat, Fault, Ready, Restored, Done, Restart, Go, Shutdown, Inject, InjectRequest,
-                          InjectReply], Field(discriminator="type")]
+Message = Annotated[Union[Hello, Heartbeat, Fault, Ready, Restored, Checkpointed, Done, Restart, Go, Shutdown, Inject,
+                          InjectRequest, InjectReply], Field(discriminator="type")]
 _ADAPTER: TypeAdapter = TypeAdapter(Message)
 
 

@@ -34,6 +34,8 @@ MAX_SYMPTOM_GRACE_S = 60.0
 DEFAULT_EXIT_GRACE_S = 2.0
 #: default of HYPERPODRUN_SHM_DIR: the tmpfs that holds the checkpointless snapshots
 DEFAULT_SHM_DIR = "/dev/shm"
+#: default of HYPERPODRUN_DURABLE_TIMEOUT_S: a request to the durable store that waits longer is retried
+DEFAULT_DURABLE_TIMEOUT_S = 30.0
 #: bounds of the job secret (HYPERPODRUN_JOB_SECRET or --job-secret-file; hyperpodrun/auth.py)
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
@@ -78,6 +80,9 @@ class Settings(BaseModel):
     log_dir: Optional[str] = None
     #: HYPERPODRUN_SHM_DIR: the tmpfs under which CheckpointManager keeps its snapshots
     shm_dir: str = DEFAULT_SHM_DIR
+    #: HYPERPODRUN_DURABLE_TIMEOUT_S: how long one request to the durable store (S3) may wait for a connection
+    #: or an answer before it is retried (hyperpodrun/state/durable/stores.py)
+    durable_timeout_s: float = DEFAULT_DURABLE_TIMEOUT_S
     #: HYPERPODRUN_JOB_SECRET: the user's job secret (stripped; never shown in a repr)
     job_secret: Optional[SecretBytes] = None
 
@@ -114,6 +119,16 @@ def _positive_grace(name: str, raw: str) -> float:
     value = _grace(name, raw)
     if value <= 0:
         raise ConfigError(f"{name}={raw!r} is not a number of seconds in 0..{MAX_SYMPTOM_GRACE_S:g} (above 0)")
+    return value
+
+
+def _timeout(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 3600:   # nan and inf fail here too
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds in 0..3600 (above 0)")
     return value
 
 
@@ -157,6 +172,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], Any], bool]] = {
     "restart_grace_s": ("RESTART_GRACE_S", _positive_grace, False),
     "log_dir": ("LOG_DIR", _path, False),
     "shm_dir": ("SHM_DIR", _path, False),
+    "durable_timeout_s": ("DURABLE_TIMEOUT_S", _timeout, False),
     "job_secret": ("JOB_SECRET", _secret, False),
 }
 

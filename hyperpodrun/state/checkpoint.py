@@ -61,8 +61,11 @@ class CheckpointManager(Restoring):
         snapshot still in flight is never waited for (the call is coalesced). `retrain_bound` is what a SIGKILL
         of a rank without a live replica can cost, in steps. None: every call is a snapshot (each waits for
         the one before).
-    fallback_dir / fallback_every: also write every N-th snapshot to disk, asynchronously and atomically,
-        for the case where shared memory is lost too.
+    fallback_dir / fallback_every / fallback_keep: the durable tier (hyperpodrun/state/durable): every N-th
+        snapshot is also written, behind the training, as a torch.distributed.checkpoint checkpoint to a
+        directory (local disk, FSx/Lustre) or s3://bucket/prefix (pip install 'hyperpodrun[s3]'), the newest
+        `fallback_keep` (default 2) complete ones kept; a job lost whole and started again resumes from the
+        newest complete one. The store is checked here: one that cannot work raises CheckpointStoreError.
     replica_groups / num_distributed_optimizer_instances: ranks that hold identical state (a rank that
         lost its snapshots gets them from a replica peer). Derived from DDP modules when not given.
     peer_copy: with several nodes, also copy every slot to a rank on another node (default: on when the

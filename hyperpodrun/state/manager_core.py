@@ -11,7 +11,6 @@ import logging
 import weakref
 import os
 import shutil
-import threading
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from hyperpodrun import env as E
@@ -21,6 +20,8 @@ from hyperpodrun.state.slots import shm_runs
 from hyperpodrun.state.slots import snapshot_io as io
 from hyperpodrun.state.slots import snapshot_copy as copying
 from hyperpodrun.state.ddp_layout import LayoutKeeper
+from hyperpodrun.state.durable.stores import open_store
+from hyperpodrun.state.durable.tier import DurableTier
 from hyperpodrun.state.restore.peer_copy import PeerCopies, peer_of
 from hyperpodrun.state.live_state import LiveState
 from hyperpodrun.state.snapshot_budget import MAX_INTERVAL, OverheadBudget
@@ -44,7 +45,7 @@ class ManagerCore:
                  shm_dir: Optional[str] = None, replica_groups: Optional[Sequence[Sequence[int]]] = None,
                  num_distributed_optimizer_instances: Optional[int] = None,
                  peer_copy: Optional[bool] = None, reuse_live: bool = True, stage_on_device: Optional[bool] = None,
-                 max_overhead: Optional[float] = 0.02) -> None:
+                 max_overhead: Optional[float] = 0.02, fallback_keep: int = 2) -> None:
         if replica_groups is not None and num_distributed_optimizer_instances is not None:
             raise ApiValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
                                 "not both")
@@ -59,6 +60,13 @@ class ManagerCore:
                                 "between 0 and 1 (e.g. 0.02), or None to snapshot at every save()")
         if fallback_every is not None and not fallback_dir:
             raise ApiValueError("CheckpointManager(fallback_every=...) needs fallback_dir= (where to write)")
+        if isinstance(fallback_keep, bool) or not isinstance(fallback_keep, int) or fallback_keep < 1:
+            raise ApiValueError(f"CheckpointManager(fallback_keep={fallback_keep!r}): the number of complete "
+                                "fallback checkpoints to keep, an int >= 1")
+        #: the durable tier (hyperpodrun/state/durable): checked now, so a store that cannot work ends the job
+        #: before its first step
+        self._durable: Optional[DurableTier] = DurableTier(open_store(fallback_dir), fallback_keep) \
+            if fallback_dir else None
         self.enable_checksum = enable_checksum
         self.enable_offload = enable_offload
         self.fallback_dir = fallback_dir
@@ -68,7 +76,6 @@ class ManagerCore:
         self.num_instances = num_distributed_optimizer_instances
         self._session: Any = None
         self._caller: Any = None
-        self._fallback: Optional[threading.Thread] = None
         self._writer = io.SlotWriter()
         self._files: dict[str, io.SlotFile] = {}
         self._streams = copying.SideStream()
@@ -226,10 +233,22 @@ class ManagerCore:
         self._slot_steps[path] = step
 
     def wait(self) -> None:
-        """Block until the snapshot in flight and the fallback write have finished."""
+        """Block until the snapshot in flight and the fallback checkpoint being written have finished."""
         self._writer.wait()
-        if self._fallback is not None:
-            self._fallback.join()
+        if self._durable is not None:
+            self._durable.wait()
+
+    def _send_durable_notes(self) -> None:
+        """Tell the agent what the durable tier did since the last call (from the training thread: the control
+        connection is not shared with the writer thread)."""
+        if self._durable is None:
+            return
+        notes = self._durable.notes()
+        if notes and self._session is not None:
+            from hyperpodrun import protocol as P
+            for outcome, step, detail in notes:
+                self._session.send(P.Checkpointed(rank=self.rank, pid=os.getpid(), step=step, outcome=outcome,
+                                                  detail=detail[:500]))
 
     #: how a restore() that copied this rank's state from a replica peer (restored_from == "replica") got it:
     #: "live" - the peer's own tensors, still at that step, sent over the process group (GPU to GPU on NCCL;

@@ -42,7 +42,7 @@ class Restoring(Saving):
         """
         import torch.distributed as dist
         _check_state(state, "restore")
-        self.wait()
+        self._writer.wait()      # not the durable tier's write: it reads its own copy, and may take minutes
         self.restored_from = None
         phases = self.restore_phases = {}
         mark = [time.monotonic()]
@@ -67,8 +67,14 @@ class Restoring(Saving):
         deferred: set[str] = set()     # the newest slot not sealed here: summed beside its copy (slot_verify.py)
         shm = find_snapshots(self._ensure_dir(), trusted, unverified, deferred)
         self._slot_steps = {path: found for found, path in shm.items()}
-        disk = find_snapshots(os.path.join(self.fallback_dir, f"rank{self.rank}")) if self.fallback_dir else {}
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+            int(os.environ.get("WORLD_SIZE", 1))
         copies = self._peers.held() if self._peers is not None else {}
+        # the durable tier's complete checkpoints; the newest verified for this rank (fetched) when it holds
+        # nothing in memory - a job lost whole and started again, a rank whose node is gone
+        bare = not shm and live_step is None
+        disk = dict.fromkeys(self._durable.steps(self.rank, world, verify=bare), "") \
+            if self._durable is not None else {}
         at = getattr(self._session, "step", None)
         mine: Inventory = {"shm": sorted(shm), "disk": sorted(disk), "latest": self.last_saved,
                            "copies": {src: sorted(steps) for src, steps in copies.items()},
@@ -101,6 +107,7 @@ class Restoring(Saving):
             return self._snapshot_of_live(live) if ok and live is not None else None
         data: Any = None
         streamed: Optional[dict] = None
+        location = ""
         self.restored_via = None
         if plan.pairs and dist.is_available() and dist.is_initialized():
             from hyperpodrun.state.restore import replica_stream
@@ -132,11 +139,19 @@ class Restoring(Saving):
         else:
             self._live = None
             source = "replica" if data is not None else ("shm" if step in shm else "disk")
-            path = shm.get(step) or disk[step] if data is None else ""
+            if source == "disk" and self._durable is not None:
+                try:   # rebuilt from the checkpoint's objects, every range and the slot checksum checked
+                    data = self._durable.fetch(step, self.rank, world)
+                except Exception as exc:
+                    raise StateLostError(f"rank {self.rank}: the durable checkpoint {self._durable.where(step)} "
+                                         f"cannot be read ({exc})") from exc
+                location = self._durable.where(step)
+            path = shm[step] if data is None else ""
             own = self._files.get(path) if data is None and trusted.get(path) == step else None
             # our own slot or fallback file was checked by find_snapshots just now (unless unverified); a slot
             # this process sealed is read through the mapping its saves write (registered with CUDA: DMA)
-            verified = data is None and path not in unverified
+            # a durable checkpoint's snapshot was verified as it was rebuilt (DurableTier.fetch)
+            verified = (data is None and path not in unverified) or bool(location)
             slot = DeviceReadable(path, pin=_has_cuda_tensors(state), mapped=own.mapping if own else None) \
                 if data is None else None
             what = f"snapshot of step {step}"
@@ -184,7 +199,10 @@ class Restoring(Saving):
         if self._session is not None and self.rank == 0:
             from hyperpodrun import protocol as P
             self._session.send(P.Restored(rank=self.rank, pid=os.getpid(), generation=self._caller.iteration,
-                                          step=step, lost_steps=plan.lost_steps, source=plan.source))
+                                          step=step, lost_steps=plan.lost_steps, source=plan.source,
+                                          location=location))
+        elif location and self.rank == 0:   # no agent to say it: the console line is the worker's own
+            log.warning("resuming at step %d from the durable checkpoint %s", step, location)
         handed = self.restored_from == "live" and self._live is not None and self._live.handed_over
         log.info("restored step %d (%d step(s) to train again); this rank's state: %s; %s", step, plan.lost_steps,
                  ("the previous generation's tensors, unchanged since that save (no host copy)" if handed else

@@ -6,14 +6,12 @@ from __future__ import annotations
 import operator
 import weakref
 import os
-import threading
 import time
 from typing import Any, Mapping
 
 from hyperpodrun.errors import ApiValueError, UnsupportedStateError
 from hyperpodrun.state.slots import snapshot_io as io
 from hyperpodrun.state.slots import snapshot_copy as copying
-from hyperpodrun.state.restore.restore_plan import map_private
 from hyperpodrun.state.live_state import LiveState
 from hyperpodrun.state.state_dicts import local_ptr, rng_state, saved_where, state_dict_of, tensors_in
 
@@ -37,6 +35,7 @@ class Saving(ManagerCore):
         if not isinstance(step, int) or step < 0:
             raise ApiValueError(f"CheckpointManager.save(step={step!r}): step must be the number of completed "
                                 "optimizer steps, an int >= 0 (call save(step + 1, state) after optimizer.step())")
+        self._send_durable_notes()
         interrupter = getattr(self._session, "interrupter", None)
         if interrupter is None:
             self._save(step, state)
@@ -195,8 +194,9 @@ class Saving(ManagerCore):
                 self._report_interval()
             if self._peers is not None:
                 self._peers.send(step, path)
-            if self.fallback_dir and self.fallback_every and step % self.fallback_every == 0:
-                self._write_fallback(step, path)
+            if self._durable is not None and self.fallback_every and step % self.fallback_every == 0:
+                # behind the training; skipped (never waited for) while the previous one is still written
+                self._durable.submit(step, path, self.rank, int(os.environ.get("WORLD_SIZE", 1)))
         if offload:
             self._install_step_barrier()
             self._writer.start(copied, sealed)
@@ -250,23 +250,6 @@ class Saving(ManagerCore):
         staged.host_copied.wait()
         for device, event in list(staged.staged_events.items()):
             torch.cuda.current_stream(device).wait_event(event)
-
-    def _write_fallback(self, step: int, slot: str) -> None:
-        if self._fallback is not None:
-            self._fallback.join()   # one write in flight at a time; a slow disk slows saving, never corrupts
-        blob = bytes(map_private(slot))   # a private copy: the slot is rewritten two saves later
-
-        def write() -> None:
-            d = os.path.join(self.fallback_dir or ".", f"rank{self.rank}")
-            try:
-                os.makedirs(d, mode=0o700, exist_ok=True)
-                io.write_atomic(os.path.join(d, f"step{step:012d}.snap"), blob, durable=True)
-                for old in sorted(f for f in os.listdir(d) if f.endswith(".snap"))[:-2]:
-                    os.unlink(os.path.join(d, old))
-            except OSError as exc:
-                log.error("fallback checkpoint of step %d not written: %s", step, exc)
-        self._fallback = threading.Thread(target=write, name="hyperpodrun-fallback", daemon=True)
-        self._fallback.start()
 
 
 def _room_for_staging(staged: io.Staged) -> bool:

@@ -9,7 +9,8 @@ save). OUT_DIR/restores.rank<r> says per generation how the rank got its state (
 OUT_DIR/via.rank<r> how a replica peer sent it (restored_via: live, slot or None). REUSE_LIVE=0: reuse_live=False.
 FORGE_INVENTORY=rank:generation: that rank's restore inventory in that generation is an outsider's (see
 _forge_inventory).
-At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt.
+At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt; DUMP_PARAMS=1: rank 0 also
+writes its model after every step to OUT_DIR/params.step<s>.pt. FALLBACK_DIR / FALLBACK_EVERY: the durable tier.
 """
 import datetime
 import gc
@@ -29,10 +30,12 @@ OUT_DIR = os.environ["OUT_DIR"]
 DIM = int(os.environ.get("DIM", "256"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
+DUMP_PARAMS = os.environ.get("DUMP_PARAMS") == "1"
 REPLICAS = os.environ.get("REPLICAS")   # e.g. "0,2/1,3": explicit replica groups
 cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        enable_offload=os.environ.get("OFFLOAD") == "1",
                        fallback_dir=os.environ.get("FALLBACK_DIR") or None,
+                       fallback_every=int(os.environ["FALLBACK_EVERY"]) if os.environ.get("FALLBACK_EVERY") else None,
                        shm_dir=os.environ.get("CKPT_SHM_DIR") or None,   # a place the agent does not know
                        replica_groups=[[int(r) for r in g.split(",")] for g in REPLICAS.split("/")]
                        if REPLICAS else None,
@@ -276,6 +279,9 @@ def main(caller=None):
         opt.step()
         maybe_fault("poststep", step, rank, caller.iteration)
         cm.save(step + 1, state)
+        if DUMP_PARAMS and rank == 0:   # the model after every step, for a test that loads a checkpoint elsewhere
+            torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
+                       os.path.join(OUT_DIR, f"params.step{step + 1}.pt"))
         if STEP_SLEEP:   # a slower job, so that a test can act while it trains (PROGRESS names the last step)
             time.sleep(STEP_SLEEP)
             # with the process's threads and open descriptors: a survivor's must stay flat across restarts

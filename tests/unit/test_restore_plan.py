@@ -65,6 +65,17 @@ def test_a_fault_during_the_first_snapshot_starts_the_job_again() -> None:
     assert plan_restore(everyone, singletons) is None
 
 
+def test_a_job_started_again_after_it_was_lost_whole_takes_the_durable_checkpoint() -> None:
+    """Every rank a fresh process with no memory, the durable tier holding steps 6 and 9: step 9 from disk, not
+    a start from the beginning; one rank that finds none (its store unreadable) is a loss named, never a silent
+    start from the beginning beside the others' checkpoint."""
+    everyone = [inv(disk=(6, 9), never_committed=True) for _ in range(3)]
+    plan = plan_restore(everyone, singletons)
+    assert plan is not None and (plan.step, plan.source, plan.pairs) == (9, "disk", [])
+    with pytest.raises(StateLostError, match=r"rank\(s\) \[2\] at step 9"):
+        plan_restore([*everyone[:2], inv(never_committed=True)], singletons)
+
+
 def test_a_replaced_rank_without_state_is_still_a_loss() -> None:
     """A new process (not running since the start) with nothing: its state at step 9 is lost (exit 75)."""
     with pytest.raises(StateLostError, match=r"rank\(s\) \[1\] at step 9"):

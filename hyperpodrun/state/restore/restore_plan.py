@@ -113,7 +113,9 @@ def plan_restore(everyone: Sequence[Inventory], groups_of: Callable[[int], list[
         return None
     everyone_live = live[0] is not None and all(v == live[0] for v in live)
     fresh = [r for r, e in enumerate(everyone) if e.get("never_committed")]
-    if fresh and not everyone_live:   # a fault during the first snapshot: nothing was committed job-wide
+    # a fault during the first snapshot: nothing was committed job-wide - unless the durable tier holds a
+    # checkpoint (a job started again after it was lost whole: its ranks are all fresh, its state is there)
+    if fresh and not everyone_live and not any(e["disk"] for e in everyone):
         log.warning("rank(s) %s have not completed a snapshot since the job started: no step was committed by "
                     "every rank yet, so training starts again from the beginning", fresh)
         return None

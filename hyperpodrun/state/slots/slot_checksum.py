@@ -105,6 +105,9 @@ def _lowest_priority() -> None:
             pass
 
 
+#: the same for other threads that work beside the training (the durable tier's writer)
+lowest_priority = _lowest_priority
+
 _HELPERS = _Helpers()                   # verifying a slot (a restore waits for it): normal priority
 _BACKGROUND = _Helpers(idle=True)       # summing a slot while training goes on: idle priority
 os.register_at_fork(after_in_child=_HELPERS.forked)
