@@ -30,6 +30,7 @@ SEQUENCES=(
   "health|the NVML health monitor on the real devices, its CPU cost, and injected XIDs in NCCL jobs (2 GPUs)"
   "frameworks|Lightning and the HF Trainer with our callbacks (module outside/inside) vs HPWrapper only vs torchrun: step and recovery"
   "lightning|Lightning + CheckpointlessCallback on 2 GPUs: recovery after a SIGKILL mid-epoch vs the fault-free run"
+  "numa|--numa-binding's four modes under torchrun and hyperpodrun: the CPUs of every worker thread, first attempt and respawn"
   "restart-noise|what an in-process restart prints besides the job's lines, with the environment as is and with NOISE_ENV"
 )
 
@@ -388,6 +389,15 @@ seq_frameworks() {
     echo "sequence done $(date +%T)"
   } 2>&1 | keep "$OUT/frameworks.log"
   x tar -czf "$(to "$OUT/frameworks_raw.tar.gz")" -C "$W" --exclude='*.ckpt' --exclude='checkpoint-*' .
+}
+
+# numa: scripts/bench/numa_check.py - each --numa-binding mode launched by torchrun and by hyperpodrun (one restart),
+# every worker thread's allowed CPUs read back from /proc and compared. NPROC (default: the number of GPUs), MODES
+# (node,socket,exclusive,core-complex). What comes back: machine.txt, numa_topology.txt, numa.md, numa.json.
+seq_numa() {
+  setup
+  { lscpu | grep -i numa; nvidia-smi topo -m; } > "$(to "$OUT/numa_topology.txt")" 2>&1
+  x python3 scripts/bench/numa_check.py --out "$OUT" ${NPROC:+--nproc "$NPROC"} --modes "${MODES:-node,socket,exclusive,core-complex}"
 }
 
 # restart-noise (was gpu_restart_noise.sh): the same small job (one rank, NCCL, 3 exceptions) run twice under

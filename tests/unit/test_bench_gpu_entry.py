@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 GPU_SH = ROOT / "scripts" / "bench" / "gpu.sh"
 SEQUENCES = ["smoke", "recovery", "recovery-all", "recovery-fast", "standby-warm", "state-tier", "checkpointless",
-             "inprocess", "health", "frameworks", "lightning", "restart-noise"]
+             "inprocess", "health", "frameworks", "lightning", "numa", "restart-noise"]
 
 
 def _gpu_sh(*args: str, **env: str) -> subprocess.CompletedProcess:
