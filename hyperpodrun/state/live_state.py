@@ -178,6 +178,8 @@ class LiveState:
         self._refs: Optional[list] = tensors
         #: after payload_for: whether some object was given the values from the previous generation's tensors
         self.handed_over = False
+        #: after payload_for returned None: why the state must be copied back (the restore's log line says it)
+        self.why_not = ""
 
     def wait_on(self, device: Any) -> None:
         self.print.wait_on(device)
@@ -215,6 +217,8 @@ class LiveState:
         be loaded from a copy. Each entry is (kind, state dict or value, keep: the object holds exactly these
         tensors and nothing else, nothing to load)."""
         if self.step != step or set(state) != set(self._entries):
+            self.why_not = (f"the restored step is {step}, this rank's last save() was step {self.step}"
+                            if self.step != step else f"the state's keys changed: {sorted(state)}")
             return None
         everything: list = []          # in the order of the save (the skeletons' tensor indices)
         own: dict[str, bool] = {}
@@ -222,6 +226,7 @@ class LiveState:
             obj = state[name]
             has_sd = hasattr(obj, "state_dict") and callable(obj.state_dict)
             if (entry.kind == "sd") != has_sd:
+                self.why_not = f"{name!r} is another kind of object than at the save"
                 return None
             first = len(everything)
             skel = _skeleton(state_dict_of(obj) if has_sd else obj, everything)
@@ -230,14 +235,21 @@ class LiveState:
             own[name] = same_shape and (self._refs is None or all(
                 _same_tensor(c, r) for c, r in zip(everything[first:], self._refs[lo:hi])))
             if not same_shape and (self._refs is None or _is_module(obj)):
+                self.why_not = f"{name!r} has other keys or shapes than at the save"
                 return None         # a module's keys must be the saved ones (bare vs wrapped: a load would fail)
             if same_shape and self._refs is not None and not own[name] and any(
                     _local(c).shape != _local(r).shape or _local(c).dtype != _local(r).dtype
                     for c, r in zip(everything[first:], self._refs[lo:hi])):
+                self.why_not = f"{name!r} was built again with other shapes or dtypes"
                 return None         # built again with other shapes: the saved values do not fit
         source = self._refs if self._refs is not None else everything
         if not self.print.matches(source):
+            moved = [name for name, mine in own.items() if not mine and _is_module(state[name])]
+            self.why_not = ("the saved tensors changed since the save" + (
+                f" ({', '.join(repr(n) for n in moved)} now holds other tensors: moved or copied by the framework?)"
+                if moved else ""))
             return None
+        self.why_not = ""
         self.handed_over = not all(own.values()) and self._refs is not None
         out = {name: (entry.kind, _fill(entry.skeleton, source), entry.all_tensors and own[name])
                for name, entry in self._entries.items()}

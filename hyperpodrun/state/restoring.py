@@ -57,6 +57,7 @@ class Restoring(Saving):
         # a survivor whose objects still hold the values of its last save() call keeps them (live_state.py)
         live = self._live.payload_for(self._live.step, state) if self._live is not None else None
         live_step = self._live.step if self._live is not None and live is not None else None
+        not_live = self._live.why_not if self._live is not None and live is None else ""
         # the slots this process sealed itself, in the 0700 directory it made and holds, not written since
         # (the same inode, size and times as when sealed): their checksum was summed as they were written, and
         # only this uid - which could as well write into this process - can change them; they are read
@@ -208,7 +209,9 @@ class Restoring(Saving):
                  ("the previous generation's tensors, unchanged since that save (no host copy)" if handed else
                   "its own objects, unchanged since that save") if self.restored_from == "live" else
                  f"copied from {self.restored_from}" + {"live": " (live tensors)", "slot": " (slot bytes)"}.get(
-                     self.restored_via or "", ""), ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
+                     self.restored_via or "", "") + (f" (not kept live: {not_live})" if not_live and
+                                                      self.restored_from != "live" else ""),
+                 ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
         return step
 
     def _restore_resized(self, state: Mapping[str, Any]) -> Optional[int]:

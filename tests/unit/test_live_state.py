@@ -167,3 +167,15 @@ def test_values_and_hyper_parameters_come_from_the_save_not_the_live_objects():
     assert payload["state"]["epoch"][1] == {"n": 3}
     assert payload["state"]["opt"][1]["param_groups"][0]["lr"] == saved_lr
     assert payload["state"]["model"][2] is True and payload["state"]["opt"][2] is False
+
+
+def test_why_a_state_is_not_kept_live_is_said():
+    """The restore's log line says why a survivor copies its state back: another step, an in-place change."""
+    model, opt, _sched, state = setup()
+    train_step(model, opt)
+    live = snapshot(1, state)
+    assert live.payload_for(2, state) is None and "last save() was step 1" in live.why_not
+    assert live.payload_for(1, state) is not None and live.why_not == ""
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert live.payload_for(1, state) is None and "changed since the save" in live.why_not

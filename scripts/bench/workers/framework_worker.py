@@ -51,6 +51,13 @@ import lightning.pytorch as pl  # noqa: E402
 import transformers  # noqa: E402,F401
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
+# the runtime's restore line (where each rank's state came from, and why it was not kept live) in the rank's log
+import logging  # noqa: E402
+_restore_log = logging.StreamHandler(sys.stderr)
+_restore_log.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+logging.getLogger("hyperpodrun.runtime").addHandler(_restore_log)
+logging.getLogger("hyperpodrun.runtime").setLevel(logging.INFO)
+
 RANK = int(os.environ.get("RANK", "0"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
