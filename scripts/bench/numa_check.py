@@ -4,16 +4,19 @@ thread may run on are read back from /proc. The two launchers must agree, for th
 respawn, on every thread. Not a timing: a check that the binding means to us what it means to torchrun, on a
 machine that has GPUs and NUMA nodes (without a GPU both launchers refuse the flag).
 
-    python3 scripts/bench/numa_check.py --out DIR [--nproc N] [--modes node,socket,exclusive,core-complex]
+    python3 scripts/bench/numa_check.py --out DIR [--work DIR] [--nproc N] [--modes node,socket,exclusive,core-complex]
 
-Writes DIR/numa.md (the table) and DIR/numa.json; exits 0 only when every mode agrees."""
+Writes DIR/numa.md (the table) and DIR/numa.json (the jobs' logs and the workers' records stay in --work);
+exits 0 only when every mode agrees."""
 from __future__ import annotations
 
 import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import sys
 from typing import Any
 
@@ -46,16 +49,20 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: the number of GPUs)")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "hpr-numa"),
+                    help="the jobs' logs and the workers' records (emptied first)")
     args = ap.parse_args()
     nproc = args.nproc
     if nproc <= 0:
         import torch
         nproc = max(torch.cuda.device_count(), 1)
-    rec_dir = os.path.join(args.out, "records")
-    os.makedirs(rec_dir, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    rec_dir = os.path.join(args.work, "records")
+    os.makedirs(rec_dir)
+    os.makedirs(args.out, exist_ok=True)
     rows, ok = [], True
     for mode in args.modes.split(","):
-        jobs = {ln: launch(ln, mode, nproc, rec_dir, os.path.join(args.out, "logs")) for ln in ("torchrun", "hyperpodrun")}
+        jobs = {ln: launch(ln, mode, nproc, rec_dir, os.path.join(args.work, "logs")) for ln in ("torchrun", "hyperpodrun")}
         got = {ln: records(rec_dir, f"{ln}-{mode}") for ln in jobs}
         keys = sorted(set(got["torchrun"]) | set(got["hyperpodrun"]))
         for key in keys or [(-1, -1)]:
