@@ -108,6 +108,9 @@ class Agent:
         self.host = hostname()
         self.clock = SystemClock()
         self.events = EventLog(self.host, self.clock)
+        if cfg.k8s_report:   # the pod's annotations and Events (checked at launch: the CLI's preflight)
+            from hyperpodrun.agent.observe.k8s_report import reporter_from_environment
+            self.events.add_sink(reporter_from_environment(self.host))
         self.inbox = Inbox()
         self._signals: list[int] = []
         self.reaper: Optional[Reaper] = None

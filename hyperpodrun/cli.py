@@ -135,7 +135,10 @@ def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Option
            "(',,' is a comma).")
 @topt("--duplicate-stderr-filters", default=None, metavar="TEXT,...", show_default="none",
       help="The same for stderr lines, into filtered_stderr.log.")
-@topt("--node-rank", default=0, type=int, help="This node's rank (static rendezvous).")
+@click.option(*_names("--node-rank"), envvar=[_pet("--node-rank"), "JOB_COMPLETION_INDEX"], show_envvar=False,
+              default=None, type=int, show_default="0, or $JOB_COMPLETION_INDEX on several nodes",
+              help="This node's rank (static rendezvous). Not given (nor PET_NODE_RANK): a Kubernetes Indexed "
+                   "Job's JOB_COMPLETION_INDEX on several nodes, else 0.")
 @topt("--master-addr", default=None, show_default="127.0.0.1", help="Address of node 0 (static rendezvous).")
 @topt("--master-port", default=None, type=click.IntRange(0, 65535), show_default="29500",
       help="Port on node 0 (static rendezvous).")
@@ -173,6 +176,10 @@ def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Option
 @oopt("--job-secret-file", default=None, show_default="$HYPERPODRUN_JOB_SECRET, else one of our own per job",
       help="File with the job secret, the same on every node (or HYPERPODRUN_JOB_SECRET); authenticates "
            "peer copies and the agents' store records. See docs/security.md.")
+@oopt("--k8s-report", is_flag=True, show_default=OFF,
+      help="Report to the Kubernetes API from inside a pod: annotations on this pod (generation, phase, last "
+           "recovery) and Events for faults, restarts, node losses and GPU actions. Needs hyperpodrun[k8s] and "
+           "RBAC on pods (get, patch) and events (create); see docs/kubernetes.md.")
 @oopt("--pre-train-script", default=None, show_default="none", help="Run before the workers start (once per node).")
 @oopt("--pre-train-args", default="", show_default="none",
       help="Arguments of the pre-train script (one shell-quoted string).")
@@ -189,6 +196,9 @@ def launch(training_script: str, training_script_args: tuple[str, ...], **opts: 
     try:
         settings.use(settings.load())
         cfg = build_config(opts, training_script, training_script_args, _env_sources(click.get_current_context()))
+        if cfg.k8s_report:   # the client and the pod are checked before anything starts (exit 2, one line)
+            from hyperpodrun.agent.observe.k8s_api import preflight
+            preflight()
     except ConfigError as exc:   # every check is LaunchConfig's (hyperpodrun/launch/config.py): print its one line
         raise click.UsageError(str(exc)) from None
     _setup_logging()

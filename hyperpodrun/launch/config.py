@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from hyperpodrun.env import virtual_device
 from hyperpodrun.errors import ConfigError
-from hyperpodrun.launch.flag_syntax import (STD_ALL, STD_ERR, STD_NONE, STD_OUT, as_bool, parse_conf, parse_endpoint,
+from hyperpodrun.launch.flag_syntax import (STD_ALL, STD_ERR, STD_NONE, STD_OUT, as_bool, node_rank_from, parse_conf,
+                                            parse_endpoint,
                                             parse_filters, parse_nnodes, parse_rank_list, parse_signal,
                                             parse_signal_list, parse_std_map, refuse_unsupported, split_args)
 from hyperpodrun.launch.host_checks import (count_workers, default_log_dir, own_address, private_log_base, standby_auto,
@@ -138,10 +139,10 @@ def _last_call_timeout(conf: dict[str, str]) -> float:
     return value
 
 
-def _derive_topology(flags: dict[str, Any]) -> None:
+def _derive_topology(flags: dict[str, Any], sources: Optional[dict[str, str]] = None) -> None:
     """torchrun's --nnodes, --standalone, --rdzv-backend/-endpoint/-conf, --master-addr/-port, --node-rank ->
     the fields nnodes, rdzv_backend, rdzv_host, rdzv_port, join_timeout, node_rank, master_addr and
-    single_node (in place)."""
+    single_node (in place). `sources`: the environment variable each flag's value came from."""
     nnodes_text = flags.pop("nnodes", "1:1")
     lo, hi = parse_nnodes(nnodes_text)
     nnodes = hi
@@ -172,7 +173,7 @@ def _derive_topology(flags: dict[str, Any]) -> None:
             raise ConfigError("--rdzv-endpoint needs a port for several nodes (e.g. HOST:29400)")
         node_rank = None
     else:
-        node_rank = flags.get("node_rank", 0)
+        node_rank = node_rank_from(flags.get("node_rank"), (sources or {}).get("node_rank"), nnodes)
         rdzv_port = master_port if master_port is not None else 29500
         if not single and endpoint:
             rdzv_host, rdzv_port = parse_endpoint(endpoint, default_port=rdzv_port)
@@ -268,6 +269,9 @@ class LaunchConfig(BaseModel):
     # security (hyperpodrun/auth.py): file with the job secret; None -> HYPERPODRUN_JOB_SECRET or one of our own
     job_secret_file: Optional[str] = None
 
+    # --k8s-report: the pod's annotations and Events through the Kubernetes API (agent/observe/k8s_report.py)
+    k8s_report: bool = False
+
     # hooks
     pre_train_script: Optional[str] = None
     pre_train_args: list[str] = Field(default_factory=list)
@@ -282,7 +286,7 @@ class LaunchConfig(BaseModel):
         variable each value came from, for the message. Every check runs, the host's included; ConfigError
         with one line on any problem."""
         try:
-            return cls.model_validate(flags, context={"flags": True, "host": True})
+            return cls.model_validate(flags, context={"flags": True, "host": True, "sources": sources or {}})
         except ValidationError as exc:
             raise ConfigError(describe_validation_error(exc, sources)) from None
 
@@ -293,7 +297,7 @@ class LaunchConfig(BaseModel):
             return data
         flags = dict(data)
         refuse_unsupported(flags)
-        _derive_topology(flags)
+        _derive_topology(flags, (info.context or {}).get("sources"))
         flags["rdzv_id"] = flags.get("rdzv_id") or "none"
         for key in ("shutdown_timeout", "log_dir", "job_secret_file", "local_ranks_filter"):
             if flags.get(key) in (None, ""):

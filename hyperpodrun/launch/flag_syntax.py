@@ -200,3 +200,25 @@ def as_bool(value: Any) -> bool:
         return bool(_BOOL.validate_python(value))
     except ValidationError:
         return False
+
+
+#: set by Kubernetes in every pod of an Indexed Job (batch/v1): the pod's index, 0..completions-1
+JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"
+
+
+def node_rank_from(given: Optional[int], source: Optional[str], nnodes: int) -> int:
+    """The static rendezvous' node rank: --node-rank or PET_NODE_RANK as given; else (click read it from
+    JOB_COMPLETION_INDEX) the Indexed Job's pod index, on several nodes only - one node is rank 0 whatever
+    the index; else 0. The index is unique only within one Job: a JobSet of several Jobs, or a PyTorchJob,
+    gives PET_NODE_RANK, which comes first."""
+    if given is None:
+        return 0
+    if source != JOB_INDEX_ENV:
+        return given
+    if nnodes == 1:
+        return 0
+    if given >= nnodes:
+        raise ConfigError(f"{JOB_INDEX_ENV}={given} is not a node rank of --nnodes {nnodes}: the Indexed Job has more "
+                          f"pods than nodes; set its completions and parallelism to {nnodes}, or give each pod "
+                          "PET_NODE_RANK (extra pods as hot spares need the c10d rendezvous)")
+    return given
