@@ -47,6 +47,9 @@ MAX_INTERVAL_S = 3600.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 #: --rdzv-conf last_call_timeout when not given (torchrun's)
 DEFAULT_LAST_CALL_S = 30.0
+#: --rdzv-conf coordinator_timeout when not given: how long the agents wait for a standalone coordinator that
+#: went away (a Kubernetes Deployment restarts one in well under that) before the job ends
+DEFAULT_COORDINATOR_TIMEOUT_S = 300.0
 #: --node-timeout: a node whose agent has not renewed its lease for this long is lost (agent/coordination/membership.py)
 DEFAULT_NODE_TIMEOUT_S = 5.0
 MIN_NODE_TIMEOUT_S = 0.5
@@ -54,7 +57,8 @@ MIN_NODE_TIMEOUT_S = 0.5
 DEFAULT_REPLACE_TIMEOUT_S = 120.0
 
 #: how each LaunchConfig field is spelt on the command line, where it is not --<field-with-dashes>
-FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "rdzv_port": "--master-port/--rdzv-endpoint port",
+FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "coordinator_timeout": "--rdzv-conf coordinator_timeout",
+                 "rdzv_port": "--master-port/--rdzv-endpoint port",
                  "entrypoint": "TRAINING_SCRIPT", "rdzv_host": "--rdzv-endpoint host"}
 
 _WEEK = f"a finite number of seconds, more than 0 and at most {MAX_TIMEOUT_S:.0f} (one week)"
@@ -138,6 +142,22 @@ def _last_call_timeout(conf: dict[str, str]) -> float:
     return value
 
 
+def _coordinator_timeout(conf: dict[str, str]) -> float:
+    """`--rdzv-conf coordinator_timeout=S`: how long the agents keep reconnecting to a standalone coordinator
+    that went away (training goes on meanwhile; a fault waits) before the job ends; default 300 s."""
+    text = conf.get("coordinator_timeout")
+    if text is None:
+        return DEFAULT_COORDINATOR_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ConfigError(f"--rdzv-conf coordinator_timeout={text}: must be {ACCEPTS['join_timeout']} "
+                          "(e.g. --rdzv-conf coordinator_timeout=300)")
+    return value
+
+
 def _derive_topology(flags: dict[str, Any]) -> None:
     """torchrun's --nnodes, --standalone, --rdzv-backend/-endpoint/-conf, --master-addr/-port, --node-rank ->
     the fields nnodes, rdzv_backend, rdzv_host, rdzv_port, join_timeout, node_rank, master_addr and
@@ -192,7 +212,8 @@ def _derive_topology(flags: dict[str, Any]) -> None:
             master_addr = own_address(flags.get("local_addr"))
     flags.update(nnodes=nnodes, rdzv_backend=backend, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
                  join_timeout=_join_timeout(conf), node_rank=node_rank, master_addr=master_addr, single_node=single,
-                 min_nodes=lo, last_call_timeout=_last_call_timeout(conf))
+                 min_nodes=lo, last_call_timeout=_last_call_timeout(conf),
+                 coordinator_timeout=_coordinator_timeout(conf))
 
 
 class LaunchConfig(BaseModel):
@@ -218,6 +239,7 @@ class LaunchConfig(BaseModel):
     rdzv_port: int = Field(0, ge=0, le=65535)
     rdzv_id: str = "none"
     join_timeout: float = Field(DEFAULT_JOIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    coordinator_timeout: float = Field(DEFAULT_COORDINATOR_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     master_addr: str = "localhost"
     local_addr: Optional[str] = None
     single_node: bool = True
