@@ -150,7 +150,7 @@ class CoordinatorLink:
                 raise CoordinatorLost(f"the standalone coordinator at {self.where} has been unreachable for "
                                       f"{away:.0f}s (--rdzv-conf coordinator_timeout {self.timeout_s:g}s): {why}; "
                                       "start it again at that address, or raise coordinator_timeout")
-            self._sleep(delay)
+            self._sleep(min(delay, self.timeout_s - away))   # the last attempt falls on the deadline
             delay = min(2 * delay, MAX_BACKOFF_S)
 
     def _lost(self, why: str) -> None:
@@ -198,7 +198,7 @@ class ReconnectingStore:
         self._timeout: Optional[timedelta] = None
 
     def _call(self, op: Callable[[KVStore], T]) -> T:
-        why = "no connection yet"
+        why = "not connected yet"
         while True:
             store = self._store
             if store is None:
