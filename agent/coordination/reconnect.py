@@ -26,6 +26,7 @@ back as the highest count any agent saw, the retried add on top of it).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -160,7 +161,7 @@ class CoordinatorLink:
             self._down_since = self._clock.monotonic()
         msg = (f"lost the standalone coordinator at {self.where} ({why}): training goes on; a fault waits for it "
                f"(up to --rdzv-conf coordinator_timeout {self.timeout_s:g}s) while the agents reconnect")
-        log.warning("%s", msg)
+        log.debug("%s", msg)      # told once, as the event (the console shows it)
         self.post(("coordinator_lost", msg))
 
     def _settle(self, store: KVStore, now_epoch: str, why: str) -> None:
@@ -178,7 +179,7 @@ class CoordinatorLink:
         if since is not None:
             away = self._clock.monotonic() - since
             msg = f"the standalone coordinator at {self.where} is back after {away:.1f}s; the job goes on"
-            log.info("%s", msg)
+            log.debug("%s", msg)
             self.post(("coordinator_back", msg))
 
 
@@ -246,6 +247,9 @@ def coordinator_link(host: str, port: int, run_id: str, raw: KVStore, timeout_s:
     from hyperpodrun.agent.coordination import stores, store_schema as K
 
     def open_store(connect_timeout_s: float) -> KVStore:
+        # a plain probe first: while the coordinator is away each attempt fails quietly here, where torch's
+        # client would log a few lines of its own per attempt
+        socket.create_connection((host, port), timeout=connect_timeout_s).close()
         return stores.open_tcp_store(host, port, server=False, timeout_s=connect_timeout_s)
     return CoordinatorLink(f"{host}:{port}", open_store, lambda store: stores.prefixed(K.run_prefix(run_id), store),
                            timeout_s=timeout_s, epoch=coordinator_epoch(raw))
