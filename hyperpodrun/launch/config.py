@@ -126,35 +126,21 @@ def _join_timeout(conf: dict[str, str]) -> float:
     return value
 
 
-def _last_call_timeout(conf: dict[str, str]) -> float:
-    """`--rdzv-conf last_call_timeout=S`: how long an elastic job that has MIN nodes waits for more (torchrun's
-    meaning; default 30 s)."""
-    text = conf.get("last_call_timeout")
+def _conf_seconds(conf: dict[str, str], key: str, default: float, *, zero_ok: bool) -> float:
+    """`--rdzv-conf KEY=SECONDS`, bounded: last_call_timeout (how long an elastic job that has MIN nodes waits
+    for more: torchrun's meaning; 0 allowed) and coordinator_timeout (how long the agents keep reconnecting to
+    a standalone coordinator that went away - training goes on meanwhile, a fault waits - before the job ends)."""
+    text = conf.get(key)
     if text is None:
-        return DEFAULT_LAST_CALL_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_TIMEOUT_S:
-        raise ConfigError(f"--rdzv-conf last_call_timeout={text}: must be seconds from 0 to {MAX_TIMEOUT_S:g} "
-                          "(e.g. --rdzv-conf last_call_timeout=30)")
-    return value
-
-
-def _coordinator_timeout(conf: dict[str, str]) -> float:
-    """`--rdzv-conf coordinator_timeout=S`: how long the agents keep reconnecting to a standalone coordinator
-    that went away (training goes on meanwhile; a fault waits) before the job ends; default 300 s."""
-    text = conf.get("coordinator_timeout")
-    if text is None:
-        return DEFAULT_COORDINATOR_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value <= MAX_TIMEOUT_S:
-        raise ConfigError(f"--rdzv-conf coordinator_timeout={text}: must be {ACCEPTS['join_timeout']} "
-                          "(e.g. --rdzv-conf coordinator_timeout=300)")
+    if not (0 <= value if zero_ok else 0 < value) or not value <= MAX_TIMEOUT_S:   # nan and inf fail here too
+        lowest = "0" if zero_ok else "more than 0"
+        raise ConfigError(f"--rdzv-conf {key}={text}: must be seconds from {lowest} to {MAX_TIMEOUT_S:g} "
+                          f"(e.g. --rdzv-conf {key}={default:g})")
     return value
 
 
@@ -212,8 +198,9 @@ def _derive_topology(flags: dict[str, Any]) -> None:
             master_addr = own_address(flags.get("local_addr"))
     flags.update(nnodes=nnodes, rdzv_backend=backend, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
                  join_timeout=_join_timeout(conf), node_rank=node_rank, master_addr=master_addr, single_node=single,
-                 min_nodes=lo, last_call_timeout=_last_call_timeout(conf),
-                 coordinator_timeout=_coordinator_timeout(conf))
+                 min_nodes=lo, last_call_timeout=_conf_seconds(conf, "last_call_timeout", DEFAULT_LAST_CALL_S, zero_ok=True),
+                 coordinator_timeout=_conf_seconds(conf, "coordinator_timeout", DEFAULT_COORDINATOR_TIMEOUT_S,
+                                                   zero_ok=False))
 
 
 class LaunchConfig(BaseModel):

@@ -255,3 +255,15 @@ def test_leases_get_a_whole_timeout_after_the_store_came_back() -> None:
     assert [kind for kind, _ in plain.observe(11.5, state(2))] == ["node_lost"]
     assert kept.observe(13.9, state(2)) == []
     assert [kind for kind, _ in kept.observe(14.1, state(2))] == ["node_lost"]
+
+
+# ------------------------------------------------------------------ the setting
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+def test_a_bad_coordinator_timeout_is_a_one_line_error(value: str) -> None:
+    from hyperpodrun.errors import ConfigError
+    from hyperpodrun.launch.config import _conf_seconds
+    assert _conf_seconds({"coordinator_timeout": "12.5"}, "coordinator_timeout", 300.0, zero_ok=False) == 12.5
+    assert _conf_seconds({}, "coordinator_timeout", 300.0, zero_ok=False) == 300.0
+    with pytest.raises(ConfigError) as err:
+        _conf_seconds({"coordinator_timeout": value}, "coordinator_timeout", 300.0, zero_ok=False)
+    assert f"coordinator_timeout={value}" in str(err.value) and "\n" not in str(err.value)
