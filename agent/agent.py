@@ -251,6 +251,9 @@ class Agent:
         """How a helper thread opens its own connection to the coordination store (prefixed to the run)."""
         rdzv = self.rdzv
         assert rdzv is not None and rdzv.store_endpoint is not None
+        if rdzv.link is not None:   # a standalone coordinator: connections that outlive its restart
+            rdzv.link.post = self.inbox.post
+            return rdzv.link.connect
         (host, port), prefix, timeout = rdzv.store_endpoint, K.run_prefix(rdzv.run_id), self.cfg.join_timeout
 
         def open_store() -> KVStore:
@@ -276,7 +279,8 @@ class Agent:
                                      node=rdzv.node_rank, nnodes=self.cfg.nnodes, incarnation=rdzv.incarnation,
                                      node_timeout=self.cfg.node_timeout,
                                      watch_all=rdzv.store_host or rdzv.coordinator, news=rdzv.coordinator,
-                                     nodes=lambda: rdzv.nodes, elastic=self.cfg.elastic)
+                                     nodes=lambda: rdzv.nodes, elastic=self.cfg.elastic,
+                                     reconnects=(lambda: link.reconnects) if (link := rdzv.link) else None)
         self.membership.start()
 
     # ------------------------------------------------------------------------------------ plumbing

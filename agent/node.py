@@ -129,6 +129,8 @@ class Node:
             self.gpu.on_event(value)
         elif kind == "store_lost":
             self._on_store_lost(str(value))
+        elif kind in ("coordinator_lost", "coordinator_back"):   # an outage is news, not a failure
+            self.events.emit(kind, str(value), level=logging.WARNING if kind == "coordinator_lost" else logging.INFO)
         elif kind == "node_lost":
             self._on_node_lost(*value)
         elif kind == "node_joined":

@@ -89,6 +89,16 @@ class KVStore(Protocol):
     def set_timeout(self, timeout: timedelta) -> None: ...
 
 
+class StoreLink(Protocol):
+    """An agent's tie to a coordination store that may be started again empty (agent/coordination/reconnect.py,
+    CoordinatorLink): connections that reconnect and write the agent's records back by themselves."""
+
+    reconnects: int                          # how many times the store came back empty and was supplied again
+    post: Callable[[Posted], None]           # where "coordinator_lost" / "coordinator_back" go
+
+    def connect(self, store: Optional[KVStore] = None) -> KVStore: ...
+
+
 class WorkerStoreHost(Protocol):
     """The per-generation worker stores this agent serves (agent/coordination/stores.py, WorkerStores)."""
 
@@ -127,6 +137,7 @@ class RendezvousInfo:
     # the coordination store is a standalone coordinator (agent/coordination/coordinator.py): no agent hosts
     # it; each generation's workers' store is hosted by the agent that claims it, every agent watches leases
     coordinator: bool = False
+    link: Optional["StoreLink"] = None      # with a coordinator: connections that survive its restart
 
     def __post_init__(self) -> None:
         if not self.counts:   # a fixed-size job of equal nodes (a test's or the single node's)

@@ -42,6 +42,7 @@ class Cluster:
         self.out = tmp / f"out-{name}"
         self.out.mkdir()
         self.nodes: list[Node] = []
+        self.extra: list[str] = []    # more agent flags (e.g. --rdzv-conf)
         self.env = {"OUT_DIR": str(self.out), "MODE": "allreduce", "STEPS": str(STEPS), "DIM": "64",
                     "STEP_SLEEP": "0.1"}
 
@@ -51,7 +52,7 @@ class Cluster:
                      "--master-port", str(self.port)]
         else:
             where = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
-        node = Node(self.launcher, [*where, *FAST, "--rdzv-id", self.name, self.worker],
+        node = Node(self.launcher, [*where, *FAST, *self.extra, "--rdzv-id", self.name, self.worker],
                     self.tmp / f"logs-{self.name}-{label or len(self.nodes)}", env=self.env)
         self.nodes.append(node)
         return node

@@ -18,11 +18,14 @@ port accepts an agent; an agent that finds it hosts no coordination store, hosts
 generations it claims, and watches every lease itself (agent/coordination/rendezvous.py).
 
 It keeps no worker stores (each generation's is hosted by a live agent and published here), so the
-coordinator needs one port.
+coordinator needs one port. It keeps nothing the agents cannot supply again: killed and started again at the
+same address, it serves an empty store under a new `EPOCH`, and the agents, which reconnect, write back what
+they hold (agent/coordination/reconnect.py, agent/coordination/resupply.py).
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 from datetime import timedelta
@@ -37,10 +40,18 @@ log = logging.getLogger("hyperpodrun.coordinator")
 MARKER = "hyperpodrun/coordinator"
 #: the value of MARKER: the coordinator protocol's version (agents accept what they know)
 MARKER_VALUE = "1"
+#: a random token per coordinator start, set before MARKER: an agent that reconnects and finds another one
+#: knows the store is a new, empty one and writes back what it holds (agent/coordination/resupply.py)
+EPOCH = "hyperpodrun/coordinator/epoch"
 
 
 class CoordinatorError(HyperpodrunError):
     """The coordinator cannot serve at the address it was given (the port is taken, the address is not ours)."""
+
+
+def epoch(store: Any) -> str:
+    """The start token of the coordinator serving `store` (a raw connection); "" when it has none yet."""
+    return bytes(store.get(EPOCH)).decode() if store.check([EPOCH]) else ""
 
 
 def is_coordinator(store: Any) -> bool:
@@ -77,6 +88,7 @@ class CoordinatorServer:
                                         use_libuv=True)
         except (RuntimeError, ValueError, OSError) as exc:
             raise CoordinatorError(f"cannot serve on {self.host}:{port}: {str(exc).splitlines()[0]}") from None
+        self._store.set(EPOCH, secrets.token_hex(8))
         self._store.set(MARKER, MARKER_VALUE)
         self.port = port
         return port

@@ -179,7 +179,7 @@ class Membership(threading.Thread):
                  post: Callable[[Posted], None], *, node: int, nnodes: int, incarnation: str,
                  node_timeout: float, watch_all: bool, clock: Callable[[], float] = time.monotonic,
                  nodes: Optional[Callable[[], Sequence[int]]] = None, elastic: bool = False,
-                 news: bool = False) -> None:
+                 news: bool = False, reconnects: Optional[Callable[[], int]] = None) -> None:
         super().__init__(name="hyperpodrun-membership", daemon=True)
         self._open_store = open_store
         self._records = records
@@ -194,6 +194,9 @@ class Membership(threading.Thread):
         self.news = news                    # with watch_all: follow the declared losses too (coordinator)
         self.interval = lease_interval(node_timeout)
         self._clock = clock
+        # how many times a standalone coordinator came back empty (agent/coordination/reconnect.py): each time,
+        # every lease vanished with it and none could be renewed meanwhile - the watch starts over
+        self._reconnects = reconnects or (lambda: 0)
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -210,7 +213,7 @@ class Membership(threading.Thread):
         spares_told: set[Any] = set()
         joins_told: set[tuple[int, str]] = set()
         once: set[tuple[Any, ...]] = set()
-        count = 0
+        count, restarts = 0, self._reconnects()
         while not self._stop.is_set():
             try:
                 holder = members.holder(self.node)
@@ -221,8 +224,11 @@ class Membership(threading.Thread):
                 members.renew(self.node, self.incarnation, count)
                 if watch is not None:
                     nodes = list(self.nodes())
-                    events = watch.observe(self._clock(), {n: (members.holder(n), members.lease(n))
-                                                           for n in nodes if n != self.node})
+                    state = {n: (members.holder(n), members.lease(n)) for n in nodes if n != self.node}
+                    if self._reconnects() != restarts:   # read after the calls that may have reconnected
+                        restarts = self._reconnects()
+                        watch.grace(self._clock())
+                    events = watch.observe(self._clock(), state)
                     if self.elastic:
                         events += self._joining(members, nodes, joins_told)
                     for spare in members.spares():
@@ -324,6 +330,13 @@ class LeaseWatch:
             return False
         self._highest[incarnation] = count
         return True
+
+    def grace(self, now: float) -> None:
+        """The coordination store came back empty (a standalone coordinator started again): every lease vanished
+        with it, and none could be renewed while it was away - each node's silence counts from `now`, so
+        every node has a whole timeout to renew into the new store before it may be declared lost."""
+        for node, (holder, key, _since) in self._seen.items():
+            self._seen[node] = (holder, key, now)
 
     def observe(self, now: float, state: dict[int, tuple[Optional[str], Optional[NodeLease]]]) -> list[Posted]:
         events: list[Posted] = []

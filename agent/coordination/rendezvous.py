@@ -32,6 +32,8 @@ from hyperpodrun.agent.coordination.coordinator import is_coordinator
 from hyperpodrun.agent.coordination.signed_records import SignedRecords
 from hyperpodrun.agent.coordination.layout import LayoutRecords, free_ranks
 from hyperpodrun.agent.coordination.membership import MemberRecords, lease_interval, new_incarnation
+from hyperpodrun.agent.coordination.reconnect import coordinator_link
+from hyperpodrun.agent.coordination.resupply import Resupply
 from hyperpodrun.agent.ports import KVStore, Rendezvous, RendezvousInfo
 from hyperpodrun.agent.coordination.store_schema import Layout, NodeJoin, NodeLoss
 from hyperpodrun.launch.config import LaunchConfig
@@ -138,9 +140,14 @@ class _StoreRendezvous(abc.ABC):
             # no agent hosts the store: each serves the workers' stores it claims, on its address towards it
             bind = netaddr.multi_node_bind(host, cfg.local_addr)
             log.info("the coordination store at %s:%d is a standalone coordinator: this agent hosts none", host, port)
+        # with a coordinator, every connection reconnects should it be started again (agent/coordination/reconnect.py)
+        link = coordinator_link(host, port, run_id, raw, cfg.coordinator_timeout) if coordinator else None
         store = stores.prefixed(K.run_prefix(run_id), raw)
+        store = link.connect(store) if link is not None else store
         store.set_timeout(timedelta(seconds=cfg.join_timeout))
         secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id, f"{host}:{port}")
+        if link is not None:    # what it wrote and saw goes back into a coordinator started again, signed
+            link.resupply = Resupply(auth.derive(secret, "store"), run_id)
         records = SignedRecords(store, auth.derive(secret, "store"), run_id, forged=lambda name: None)
         members = MemberRecords(records)
         incarnation = new_incarnation()
@@ -163,7 +170,7 @@ class _StoreRendezvous(abc.ABC):
                               replacing=seat.replacing, counts=counts, admitted=seat.admitted,
                               previous_world_size=seat.admitted.previous_world_size if seat.admitted else None,
                               layout_generation=layout.generation if layout is not None else -1,
-                              coordinator=coordinator)
+                              coordinator=coordinator, link=link)
 
     @staticmethod
     def wait_for_nodes(store: KVStore, cfg: LaunchConfig, node_rank: int, host: str,

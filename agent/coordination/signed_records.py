@@ -49,17 +49,21 @@ class SignedRecords:
     def _pack(self, name: str, value: str) -> bytes:
         return auth.sign(self._key, f"{self._run}/{name}={value}".encode())
 
-    def _unpack(self, name: str, raw: bytes) -> Optional[str]:
-        """The value of a record we signed for `name`; None (and reported) for anything else."""
+    def verified(self, name: str, raw: bytes) -> Optional[str]:
+        """The value of `raw` when it is a record of this job signed for `name`; None for anything else."""
         try:
             payload = auth.verify(self._key, raw).decode()
         except (auth.AuthError, UnicodeDecodeError):
-            payload = ""
-        prefix = f"{self._run}/{name}="
-        if not payload.startswith(prefix):
-            self._forged(name)
             return None
-        return payload[len(prefix):]
+        prefix = f"{self._run}/{name}="
+        return payload[len(prefix):] if payload.startswith(prefix) else None
+
+    def _unpack(self, name: str, raw: bytes) -> Optional[str]:
+        """The value of a record we signed for `name`; None (and reported) for anything else."""
+        value = self.verified(name, raw)
+        if value is None:
+            self._forged(name)
+        return value
 
     def _raw(self, name: str) -> bytes:
         return bytes(self.store.get(name)) if self.store.check([name]) else b""

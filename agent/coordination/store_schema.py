@@ -33,6 +33,11 @@ RDZV_READY = "rdzv/ready"              # set by the last agent to join
 RDZV_SIZE = "rdzv/size"                # elastic c10d: how many nodes the job formed with (first claim wins)
 
 
+def is_plain(key: str) -> bool:
+    """Whether `key` is one of the plain (unsigned) rendezvous records."""
+    return key == AUTH or key.startswith("rdzv/")
+
+
 def rdzv_claim(node_rank: int) -> str:
     """static: one claim per node rank (a second agent with the same --node-rank is refused)."""
     return f"rdzv/claim/{node_rank}"
@@ -84,6 +89,12 @@ def root_cause(generation: int) -> str:
 def node_holder(node_rank: int) -> str:
     """The incarnation (a random token per agent start) that holds node rank `node_rank` now."""
     return f"member/{node_rank}/holder"
+
+
+def is_node_holder(key: str) -> bool:
+    """Whether `key` is some node rank's holder record (`node_holder`)."""
+    parts = key.split("/")
+    return len(parts) == 3 and parts[0] == "member" and parts[1].isdigit() and parts[2] == "holder"
 
 
 def node_lease(node_rank: int) -> str:

@@ -48,6 +48,9 @@ MAX_INTERVAL_S = 3600.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 #: --rdzv-conf last_call_timeout when not given (torchrun's)
 DEFAULT_LAST_CALL_S = 30.0
+#: --rdzv-conf coordinator_timeout when not given: how long the agents wait for a standalone coordinator that
+#: went away (a Kubernetes Deployment restarts one in well under that) before the job ends
+DEFAULT_COORDINATOR_TIMEOUT_S = 300.0
 #: --node-timeout: a node whose agent has not renewed its lease for this long is lost (agent/coordination/membership.py)
 DEFAULT_NODE_TIMEOUT_S = 5.0
 MIN_NODE_TIMEOUT_S = 0.5
@@ -55,7 +58,8 @@ MIN_NODE_TIMEOUT_S = 0.5
 DEFAULT_REPLACE_TIMEOUT_S = 120.0
 
 #: how each LaunchConfig field is spelt on the command line, where it is not --<field-with-dashes>
-FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "rdzv_port": "--master-port/--rdzv-endpoint port",
+FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "coordinator_timeout": "--rdzv-conf coordinator_timeout",
+                 "rdzv_port": "--master-port/--rdzv-endpoint port",
                  "entrypoint": "TRAINING_SCRIPT", "rdzv_host": "--rdzv-endpoint host"}
 
 _WEEK = f"a finite number of seconds, more than 0 and at most {MAX_TIMEOUT_S:.0f} (one week)"
@@ -123,19 +127,21 @@ def _join_timeout(conf: dict[str, str]) -> float:
     return value
 
 
-def _last_call_timeout(conf: dict[str, str]) -> float:
-    """`--rdzv-conf last_call_timeout=S`: how long an elastic job that has MIN nodes waits for more (torchrun's
-    meaning; default 30 s)."""
-    text = conf.get("last_call_timeout")
+def _conf_seconds(conf: dict[str, str], key: str, default: float, *, zero_ok: bool) -> float:
+    """`--rdzv-conf KEY=SECONDS`, bounded: last_call_timeout (how long an elastic job that has MIN nodes waits
+    for more: torchrun's meaning; 0 allowed) and coordinator_timeout (how long the agents keep reconnecting to
+    a standalone coordinator that went away - training goes on meanwhile, a fault waits - before the job ends)."""
+    text = conf.get(key)
     if text is None:
-        return DEFAULT_LAST_CALL_S
+        return default
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value <= MAX_TIMEOUT_S:
-        raise ConfigError(f"--rdzv-conf last_call_timeout={text}: must be seconds from 0 to {MAX_TIMEOUT_S:g} "
-                          "(e.g. --rdzv-conf last_call_timeout=30)")
+        value = float("nan")
+    if not (0 <= value if zero_ok else 0 < value) or not value <= MAX_TIMEOUT_S:   # nan and inf fail here too
+        lowest = "0" if zero_ok else "more than 0"
+        raise ConfigError(f"--rdzv-conf {key}={text}: must be seconds from {lowest} to {MAX_TIMEOUT_S:g} "
+                          f"(e.g. --rdzv-conf {key}={default:g})")
     return value
 
 
@@ -193,7 +199,9 @@ def _derive_topology(flags: dict[str, Any], sources: Optional[dict[str, str]] = 
             master_addr = own_address(flags.get("local_addr"))
     flags.update(nnodes=nnodes, rdzv_backend=backend, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
                  join_timeout=_join_timeout(conf), node_rank=node_rank, master_addr=master_addr, single_node=single,
-                 min_nodes=lo, last_call_timeout=_last_call_timeout(conf))
+                 min_nodes=lo, last_call_timeout=_conf_seconds(conf, "last_call_timeout", DEFAULT_LAST_CALL_S, zero_ok=True),
+                 coordinator_timeout=_conf_seconds(conf, "coordinator_timeout", DEFAULT_COORDINATOR_TIMEOUT_S,
+                                                   zero_ok=False))
 
 
 class LaunchConfig(BaseModel):
@@ -219,6 +227,7 @@ class LaunchConfig(BaseModel):
     rdzv_port: int = Field(0, ge=0, le=65535)
     rdzv_id: str = "none"
     join_timeout: float = Field(DEFAULT_JOIN_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    coordinator_timeout: float = Field(DEFAULT_COORDINATOR_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     master_addr: str = "localhost"
     local_addr: Optional[str] = None
     single_node: bool = True
