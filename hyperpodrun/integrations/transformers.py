@@ -190,7 +190,9 @@ class _TrainerEntry:
         state = copy.deepcopy(state)
         state["log_history"] = self.owner._history.encode(t.state.log_history)
         return {"state": state, "control": dataclasses.asdict(t.control), "callbacks": _callback_states(t),
-                "loss": {"tr_loss": t._tr_loss, "total": float(t._total_loss_scalar),
+                # a copy: the Trainer adds each step's loss into its tensor in place before the next optimizer
+                # step, which would change the saved value (and a fault there would not find the state as saved)
+                "loss": {"tr_loss": t._tr_loss.detach().clone(), "total": float(t._total_loss_scalar),
                          "last_logged": int(t._globalstep_last_logged),
                          # 5.25 has it (train_loss averages over this train() call's steps); 5.17 has not
                          "initial_step": int(getattr(t, "_initial_global_step", -1)),
