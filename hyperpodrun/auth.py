@@ -44,9 +44,9 @@ _NONCE = 32
 _MAC = hashlib.sha256().digest_size
 
 
-def read_secret_file(path: str) -> bytes:
-    """The secret in `path`; refuses a file every user can write (anyone could then choose the job's key)."""
-    flag = "--job-secret-file"
+def read_secret_file(path: str, flag: str = "--job-secret-file", what: str = "job secret") -> bytes:
+    """The secret in `path` (`flag`'s file: the job secret, or the status API's token); refuses a file every user
+    can write (anyone could then choose the key, or the token that stops the job)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # a mounted Kubernetes Secret is a symlink
     except OSError as exc:
@@ -58,11 +58,17 @@ def read_secret_file(path: str) -> bytes:
         if st.st_mode & 0o002:
             raise ConfigError(f"{flag} {path!r} is writable by every user; chmod o-w it (e.g. chmod 0400)")
         if st.st_size > MAX_SECRET_BYTES:
-            raise ConfigError(f"{flag} {path!r} has {st.st_size} bytes; a job secret is at most {MAX_SECRET_BYTES}")
+            raise ConfigError(f"{flag} {path!r} has {st.st_size} bytes; a {what} is at most {MAX_SECRET_BYTES}")
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)
-    return settings.check_secret(data, f"{flag} {path!r}")
+    return settings.check_secret(data, f"{flag} {path!r}", what)
+
+
+def read_api_token(path: str) -> bytes:
+    """The bearer token of the status API's mutating calls (`--api-token-file`, agent/observe/http_api.py):
+    read like the job secret, and as long (at least MIN_SECRET_BYTES), so that it cannot be guessed."""
+    return read_secret_file(path, "--api-token-file", "token")
 
 
 def job_secret(secret_file: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:

@@ -180,6 +180,13 @@ def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Option
       help="Report to the Kubernetes API from inside a pod: annotations on this pod (generation, phase, last "
            "recovery) and Events for faults, restarts, node losses and GPU actions. Needs hyperpodrun[k8s] and "
            "RBAC on pods (get, patch) and events (create); see docs/kubernetes.md.")
+@oopt("--metrics-port", default=None, metavar="PORT", show_default=OFF,
+      help="Serve Prometheus metrics (/metrics), probes (/healthz, /readyz) and the status API (/status, POST "
+           "/stop) on this port. Needs hyperpodrun[metrics]; see docs/monitoring.md.")
+@oopt("--metrics-host", default=None, metavar="ADDRESS", show_default="127.0.0.1",
+      help="Address the metrics and status server listens on (0.0.0.0: every interface, e.g. in a pod).")
+@oopt("--api-token-file", default=None, metavar="PATH", show_default="none: mutating calls are refused",
+      help="File with the bearer token that POST /stop must present (at least 16 bytes).")
 @oopt("--pre-train-script", default=None, show_default="none", help="Run before the workers start (once per node).")
 @oopt("--pre-train-args", default="", show_default="none",
       help="Arguments of the pre-train script (one shell-quoted string).")

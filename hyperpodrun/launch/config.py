@@ -28,34 +28,12 @@ from hyperpodrun.launch.flag_syntax import (STD_ALL, STD_ERR, STD_NONE, STD_OUT,
                                             parse_endpoint,
                                             parse_filters, parse_nnodes, parse_rank_list, parse_signal,
                                             parse_signal_list, parse_std_map, refuse_unsupported, split_args)
+from hyperpodrun.launch.bounds import (  # noqa: F401 (re-exported)
+    MAX_NPROC_PER_NODE, MAX_NNODES, MAX_COUNT, MAX_TIMEOUT_S, MIN_INTERVAL_S, MAX_INTERVAL_S,
+    DEFAULT_JOIN_TIMEOUT_S, DEFAULT_LAST_CALL_S, DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_NODE_TIMEOUT_S,
+    MIN_NODE_TIMEOUT_S, DEFAULT_REPLACE_TIMEOUT_S, DEFAULT_METRICS_HOST)
 from hyperpodrun.launch.host_checks import (count_workers, default_log_dir, own_address, private_log_base, standby_auto,
                                      temp_log_base)
-
-# Bounds of the numeric flags (docs/flags.md). A value past them is a typo or an overflow, never a job: an
-# agent asked for 10**20 workers would grow until the OOM killer ends it, a timeout of 1e400 s never fires.
-#: workers per node (the largest machines have a few hundred CPU cores; a GPU node has 8-16 GPUs)
-MAX_NPROC_PER_NODE = 1024
-#: nodes in one job
-MAX_NNODES = 65536
-#: restart budgets and failure counts
-MAX_COUNT = 1_000_000
-#: every timeout: one week
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-#: every polling interval: at least 1 ms (a busy loop otherwise), at most one hour
-MIN_INTERVAL_S = 0.001
-MAX_INTERVAL_S = 3600.0
-#: --rdzv-conf join_timeout when not given
-DEFAULT_JOIN_TIMEOUT_S = 600.0
-#: --rdzv-conf last_call_timeout when not given (torchrun's)
-DEFAULT_LAST_CALL_S = 30.0
-#: --rdzv-conf coordinator_timeout when not given: how long the agents wait for a standalone coordinator that
-#: went away (a Kubernetes Deployment restarts one in well under that) before the job ends
-DEFAULT_COORDINATOR_TIMEOUT_S = 300.0
-#: --node-timeout: a node whose agent has not renewed its lease for this long is lost (agent/coordination/membership.py)
-DEFAULT_NODE_TIMEOUT_S = 5.0
-MIN_NODE_TIMEOUT_S = 0.5
-#: --replace-timeout: how long the surviving nodes wait for a lost node's replacement
-DEFAULT_REPLACE_TIMEOUT_S = 120.0
 
 #: how each LaunchConfig field is spelt on the command line, where it is not --<field-with-dashes>
 FLAG_OF_FIELD = {"join_timeout": "--rdzv-conf join_timeout", "coordinator_timeout": "--rdzv-conf coordinator_timeout",
@@ -83,6 +61,7 @@ ACCEPTS = {
     "node_timeout": f"a number of seconds from {MIN_NODE_TIMEOUT_S:g} to {MAX_TIMEOUT_S:.0f} (one week)",
     "replace_timeout": _WEEK,
     "standby_workers": "auto, or a whole number of standbys per local rank from 0 to 8 (0 turns them off)",
+    "metrics_port": "a port from 1 to 65535",
 }
 
 
@@ -280,6 +259,10 @@ class LaunchConfig(BaseModel):
 
     # --k8s-report: the pod's annotations and Events through the Kubernetes API (agent/observe/k8s_report.py)
     k8s_report: bool = False
+    # --metrics-port (None: off), --metrics-host, --api-token-file: metrics, probes, the status API (docs/monitoring.md)
+    metrics_port: Optional[int] = Field(None, ge=1, le=65535)
+    metrics_host: str = DEFAULT_METRICS_HOST
+    api_token_file: Optional[str] = None
 
     # hooks
     pre_train_script: Optional[str] = None
@@ -308,7 +291,7 @@ class LaunchConfig(BaseModel):
         refuse_unsupported(flags)
         _derive_topology(flags, (info.context or {}).get("sources"))
         flags["rdzv_id"] = flags.get("rdzv_id") or "none"
-        for key in ("shutdown_timeout", "log_dir", "job_secret_file", "local_ranks_filter"):
+        for key in ("shutdown_timeout", "log_dir", "job_secret_file", "local_ranks_filter", "metrics_host", "api_token_file"):
             if flags.get(key) in (None, ""):
                 flags.pop(key, None)   # not given: the field's default
         return flags
@@ -416,6 +399,7 @@ class LaunchConfig(BaseModel):
         given = self.log_dir if "log_dir" in self.model_fields_set else None
         self.log_dir = host_checks.check_log_dir(given or default_log_dir(create=True))   # default: ours alone
         auth.checked_secret_file(self.job_secret_file)   # a bad secret: exit 2 here, not a failed job
+        host_checks.check_status_api(self.metrics_port, self.metrics_host, self.api_token_file)
         if self.health_check == "nvml":
             host_checks.check_nvml()
         if self.virtual_local_rank:   # each local rank needs its own CUDA_VISIBLE_DEVICES entry

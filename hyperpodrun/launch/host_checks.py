@@ -214,6 +214,34 @@ print(json.dumps(cpus))
 """
 
 
+def check_status_api(port: Optional[int], host: str, token_file: Optional[str]) -> None:
+    """--metrics-port, --metrics-host and --api-token-file (agent/observe/http_api.py) before anything starts: the
+    token file needs the server, the server needs prometheus-client (the `metrics` extra) and an address of this
+    host whose port is free, and the token must be readable - each a usage error (exit 2), never a failed job."""
+    if token_file and port is None:
+        raise ConfigError("--api-token-file needs --metrics-port: the status API is served on the metrics port; "
+                          "add --metrics-port PORT or drop --api-token-file")
+    if port is None:
+        return
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ConfigError("--metrics-port needs the prometheus-client package: pip install 'hyperpodrun[metrics]'") \
+            from None
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-host {host} --metrics-port {port}: cannot listen there "
+                          f"({getattr(exc, 'strerror', None) or exc}); give an address of this host and a free port") \
+            from None
+    if token_file:
+        from hyperpodrun import auth
+        auth.read_api_token(token_file)
+
+
 def numa_cpus(mode: str, nproc: int) -> dict[int, list[int]]:
     """--numa-binding MODE: the CPUs of each local rank, as torch.numa.binding (torchrun's) chooses them near its
     GPU. ConfigError with torch's reason where it cannot (no GPU: "No accelerator available for NUMA binding")."""

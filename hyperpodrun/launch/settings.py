@@ -145,11 +145,12 @@ def _path(_name: str, raw: str) -> str:
     return raw
 
 
-def check_secret(secret: bytes, where: str) -> bytes:
-    """A job secret, stripped; ConfigError naming `where` it came from when it is too short."""
+def check_secret(secret: bytes, where: str, what: str = "job secret") -> bytes:
+    """A job secret (or another `what`: the status API's token), stripped; ConfigError naming `where` it came
+    from when it is too short."""
     secret = secret.strip()
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{where}: the job secret has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
+        raise ConfigError(f"{where}: the {what} has {len(secret)} bytes; give at least {MIN_SECRET_BYTES} "
                           "(e.g. `openssl rand -hex 32`)")
     return secret
 
