@@ -28,6 +28,8 @@ from hyperpodrun.agent.control.agent_info import AgentInfo
 from hyperpodrun.agent.control.server import ControlServer, is_symptom, split_batch, symptom_grace
 from hyperpodrun.agent.coordination.job_state import Coordinator, Watcher
 from hyperpodrun.agent.observe.events import EventLog
+from hyperpodrun.agent.observe.http_api import LoopBeat, StatusServer
+from hyperpodrun.agent.control.api_stop import StopRequest
 from hyperpodrun.agent.health.gpu_health import GpuHealth
 from hyperpodrun.agent.hooks import run_hook
 from hyperpodrun.agent.control.inject import Injector
@@ -42,7 +44,7 @@ from hyperpodrun.agent.workers.tee import Tee
 from hyperpodrun.agent.workers.warm_spawner import WarmSpawner
 from hyperpodrun.agent.workers.launch import WorkerLauncher, standby_spawner
 from hyperpodrun.launch.config import LaunchConfig, private_log_base, temp_log_base
-from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_FENCED, FencedError, HyperpodrunError
+from hyperpodrun.errors import EXIT_AGENT_ERROR, EXIT_API_STOP, EXIT_FENCED, FencedError, HyperpodrunError
 from hyperpodrun.state.slots import shm_runs
 
 log = logging.getLogger("hyperpodrun.agent")
@@ -129,6 +131,10 @@ class Agent:
         self.subreaper = False
         self.standby: Optional[WarmSpawner] = None   # imports torch while this agent waits as a hot spare
         self.shm_dir: Optional[str] = None   # the workers' private slot base when the usual one is squatted
+        self.beat = LoopBeat(cfg.monitor_interval)   # /healthz: the loop comes round (agent/observe/http_api.py)
+        self.stop_request = StopRequest(self.inbox.wake)   # POST /stop of the status API
+        self.status_api: Optional[StatusServer] = None
+        self.metrics: Any = None
 
     # ----------------------------------------------------------------------------------------- entry
     def run(self) -> int:
@@ -163,13 +169,21 @@ class Agent:
         self.sup = Supervisor(self.reaper)
         self.sup.watch_deaths(self.inbox.wake)
         self._install_signals()
+        if cfg.metrics_port is not None:   # metrics, probes, status API: sinks on the event log, a server thread
+            from hyperpodrun.agent.observe import http_api
+            self.status_api, self.metrics = http_api.start(cfg.metrics_host, cfg.metrics_port, self.events, self.beat,
+                                                           cfg.api_token_file, self.stop_request.request)
         try:
-            self.rdzv = rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals),
+            self.rdzv = rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals) or self.stop_request.requested,
                                           on_standby=self._import_ahead)
         except JobOver as exc:
             log.warning("hyperpodrun: %s", exc)
             return 0
         except RendezvousInterrupted:
+            if not self._signals:   # POST /stop while waiting for the other nodes
+                self.events.emit("api_stop", "stop requested through the status API while waiting for the other "
+                                 "nodes: exiting", exit_code=EXIT_API_STOP)
+                return EXIT_API_STOP
             signum = self._signals[0]
             self.events.emit("signal", f"received {signal.Signals(signum).name} while waiting for the other nodes: "
                              "exiting", signal=signal.Signals(signum).name)
@@ -235,6 +249,8 @@ class Agent:
             assert self.control is not None
             inproc = InProcess(cfg, rdzv, self.host, node.state, node, coord, self.control, self.events, self.clock)
             self.launcher.on_spawn = inproc.on_spawn
+            if self.metrics is not None:   # hyperpodrun_last_step: the ranks' reported steps, read when scraped
+                self.metrics.read_steps(lambda: [st.step for st in list(inproc.ranks.values())])
         if cfg.health_check != "none":
             self.gpu = GpuHealth(cfg, self.host, rdzv.rank_offset, self.events, node, node.state, post)
             self.launcher.env_for = self.gpu.env_for
@@ -308,6 +324,7 @@ class Agent:
             poller.register(self.control.sock, zmq.POLLIN)
         registered: set[int] = set()
         while not node.done:
+            self.beat.beat()
             fds = set(sup.pidfds())
             for fd in registered - fds:
                 poller.unregister(fd)
@@ -321,6 +338,7 @@ class Agent:
             if self.control is not None:
                 self._handle_batch(node, poller, list(self.control.receive()))
             self._tick(node)
+        self.beat.leave()
         for fd in registered:
             poller.unregister(fd)
         assert node.state.exit_code is not None
@@ -355,6 +373,7 @@ class Agent:
         assert self.sup is not None and self.launcher is not None
         while self._signals:
             node.on_signal(self._signals.pop(0))
+        self.stop_request.carry_out(node, self.events, self.cfg.shutdown_signal)
         for event in self.inbox.take():
             node.on_posted(event)
         for proc in self.sup.poll_exits():
@@ -399,6 +418,8 @@ class Agent:
             self.wstores.close_all()
         if self.control is not None:
             self.control.close()
+        if self.status_api is not None:
+            self.status_api.close()
         self.events.close()
         self.inbox.close()
         try:

@@ -65,6 +65,7 @@ class InProcess(RoundBase):
             elif r is None and msg.generation < self.state.generation and self.state.active:
                 self._send(st, P.Restart(generation=self.state.generation, reason="catching up"))
         elif isinstance(msg, P.Heartbeat):
+            self._first_step(st, msg, now)
             st.heard(msg, now)
         elif isinstance(msg, P.Fault):
             st.step = msg.step if msg.step is not None else st.step
@@ -205,6 +206,21 @@ class InProcess(RoundBase):
             return
         self._begin_round(gen, FailureInfo(host="?", summary=f"another node started generation {gen}",
                                            secondary=True, remote=True), self.clock.monotonic())
+
+    def _first_step(self, st: RankState, msg: P.Heartbeat, now: float) -> None:
+        """After GO, the first heartbeat of the new generation whose step differs from the rank's step at GO: the
+        training loop has called `progress()` again - where the user sees the recovery end. Known to within
+        --heartbeat-interval (heartbeats carry the step)."""
+        watch = self.resume_watch
+        if watch is None or msg.generation != watch[0] or msg.step is None or msg.state != "running":
+            return
+        gen, t_detect, at_go = watch
+        if msg.step == at_go.get(st.local_rank):
+            return
+        self.resume_watch = None
+        took = now - t_detect
+        self.events.emit("first_step", f"generation {gen}: rank {st.rank} reported step {msg.step}, {took:.3f}s "
+                         "after the fault", generation=gen, rank=st.rank, step=msg.step, downtime_s=took)
 
     # ------------------------------------------------------------------ periodic checks
     def tick(self, now: float) -> None:

@@ -62,6 +62,9 @@ class RoundBase:
         self.excused: set[int] = set()   # local ranks whose SIGABRT after completion was not counted
         self.grace = restart_grace(cfg)
         self.elastic = Elastic(cfg, rdzv, coord, events, clock)
+        # after GO: (generation, when its fault was detected, each local rank's step at GO) until a rank reports a
+        # step of its own in the new generation (the `first_step` record, agent/inprocess.py)
+        self.resume_watch: Optional[tuple[int, float, dict[int, Optional[int]]]] = None
 
     # ------------------------------------------------------------------ helpers
     def by_rank(self, rank: int) -> Optional[RankState]:
@@ -276,6 +279,7 @@ class RoundBase:
         self.events.emit("go", f"GO generation {r.target}: recovered in {downtime:.3f}s (root cause: "
                          f"{root.summary}{f'; {r.folded} secondary fault(s) folded' if r.folded else ''})",
                          generation=r.target, downtime_s=downtime, root_cause=root.summary)
+        self.resume_watch = (r.target, r.t_detect, {lr: st.step for lr, st in self.ranks.items()})
         for st in unreachable:   # it would wait for GO forever: a new round replaces it
             self._unreachable(st, go)
 

@@ -39,6 +39,9 @@ EXIT_FENCED = 80
 #: a process outside the job took a rank's place in a worker group, again after one retry on a fresh store
 #: (runtime/roll_call.py); a worker that finds one exits with it too (not counted as a failure of the script)
 EXIT_INTRUDER = 81
+#: an operator stopped the job through the status API (POST /stop with the token of --api-token-file;
+#: agent/control/api_stop.py): the workers were stopped as on SIGTERM
+EXIT_API_STOP = 82
 
 
 class HyperpodrunError(Exception):
@@ -214,7 +217,7 @@ USAGE_ERRORS: tuple[type[HyperpodrunError], ...] = (ConfigError, ApiValueError, 
 
 __all__ = ["USAGE_ERRORS", 
     "EXIT_OK", "EXIT_USAGE", "EXIT_AGENT_ERROR", "EXIT_STATE_LOST", "EXIT_NO_USABLE_GPU", "EXIT_STEP_KEEPS_FAILING",
-    "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED", "EXIT_INTRUDER", "RollCallError",
+    "EXIT_WORKER_UNHEALTHY", "EXIT_RESTARTS_EXHAUSTED", "EXIT_INTRUDER", "EXIT_API_STOP", "RollCallError",
     "HyperpodrunError", "ConfigError", "RendezvousError", "WorkerSpawnError", "ProtocolError", "AuthError",
     "UnsafePathError", "ApiValueError", "ApiTypeError", "MissingDependencyError", "CheckpointStoreError", "SetupOrderError",
     "RankEnvironmentTimeout",
