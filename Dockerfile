@@ -10,8 +10,9 @@ WORKDIR /opt/hyperpodrun
 COPY pyproject.toml README.md ./
 COPY hyperpodrun ./hyperpodrun
 COPY agent ./agent
-# torch comes with the base image (the project needs torch>=2.4); pip adds the other dependencies.
-RUN python -m pip install --no-cache-dir . && python -c "import torch, hyperpodrun; print(torch.__version__)"
+# torch comes with the base image (the project needs torch>=2.4); pip adds the other dependencies, and the
+# clients of --k8s-report and --metrics-port that the manifests in examples/kubernetes/ use.
+RUN python -m pip install --no-cache-dir ".[k8s,metrics]" && python -c "import torch, hyperpodrun; print(torch.__version__)"
 COPY examples ./examples
 COPY scripts/entrypoint.sh /usr/local/bin/hyperpodrun-entrypoint
 RUN chmod 0755 /usr/local/bin/hyperpodrun-entrypoint

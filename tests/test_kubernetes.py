@@ -113,6 +113,7 @@ def test_every_pod_has_what_a_recovery_needs(name):
         shutdown = float(args[args.index("--shutdown-timeout") + 1])
         assert pod["terminationGracePeriodSeconds"] > shutdown
         assert "--k8s-report" in args and args[args.index("--metrics-port") + 1] == "9400"
+        assert args[args.index("--metrics-host") + 1] == "0.0.0.0"   # the kubelet's probes come to the pod's IP
         shm = [v for v in pod["volumes"] if v["name"] == "dshm"][0]["emptyDir"]
         assert shm["medium"] == "Memory" and shm["sizeLimit"]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in train["volumeMounts"]
