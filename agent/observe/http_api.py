@@ -160,13 +160,22 @@ class _Handler(BaseHTTPRequestHandler):
     do_DELETE = do_PATCH = do_PUT
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-answer (or a bug in a handler): one debug line, not a traceback on the
+        agent's stderr (socketserver's default prints one)."""
+        log.debug("status API: a request from %s failed", client_address, exc_info=True)
+
+
 class StatusServer:
     """The server on its own daemon thread: `close` stops it (the agent's cleanup)."""
 
     def __init__(self, host: str, port: int, api: StatusApi) -> None:
         handler = type("Handler", (_Handler,), {"api": api})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        server_class = type("Server", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+        server_class = type("Server", (_Server,), {"address_family": family})
         try:
             self.httpd = server_class((host, port), handler)
         except OSError as exc:
