@@ -134,7 +134,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         length = self.headers.get("Content-Length") or "0"
-        if not length.isdigit() or int(length) > MAX_BODY:
+        if not length.isdigit():
+            self._json(400, {"error": "a Content-Length that is a number"})
+            return
+        if int(length) > MAX_BODY:
             self._json(413, {"error": f"a request body of at most {MAX_BODY} bytes"})
             return
         self.rfile.read(int(length))
@@ -186,10 +189,17 @@ class StatusServer:
                                         name="hyperpodrun-status-api", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop serving. The server's loop notices within its poll interval (0.5 s): the agent does not wait for
+        that (its exit follows, and a job's end must not take longer for a metrics port) unless `wait`."""
+        stopper = threading.Thread(target=self._stop, name="hyperpodrun-status-api-stop", daemon=True)
+        stopper.start()
+        if wait:
+            stopper.join(5.0)
+
+    def _stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-        self._thread.join(2.0)
 
 
 def start(host: str, port: int, events: Any, beat: LoopBeat, token_file: Optional[str],

@@ -188,7 +188,7 @@ class _Server:
 def server(request):
     srv = _Server(getattr(request, "param", TOKEN))
     yield srv
-    srv.server.close()
+    srv.server.close(wait=True)
 
 
 def test_the_server_answers_each_path(server):
@@ -212,6 +212,11 @@ def test_post_stop_needs_the_token(server):
     assert server.call("/stop", "POST")[0] == 401
     assert server.call("/stop", "POST", "Bearer " + "x" * 32)[0] == 401
     assert server.call("/stop", "POST", TOKEN.decode())[0] == 401          # no scheme
+    big = urllib.request.Request(f"http://127.0.0.1:{server.port}/stop", data=b"x" * 5000, method="POST",
+                                 headers={"Authorization": "Bearer " + TOKEN.decode()})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(big, timeout=5)
+    assert refused.value.code == 413                                        # the token does not excuse a body
     assert server.stops == 0                                                # nothing changed
     code, body = server.call("/stop", "POST", "Bearer " + TOKEN.decode())
     assert code == 202 and json.loads(body) == {"stopping": True, "exit_code": EXIT_API_STOP} and server.stops == 1
