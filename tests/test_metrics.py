@@ -60,7 +60,7 @@ def test_metrics_probes_status_and_stop_through_one_recovery(launcher, out_dir, 
     job = Job(launcher, out_dir, [*FAST, "--metrics-port", str(port), "--api-token-file", str(token_file)],
               ["--steps", "1000000", "--forever-cap", "60"], nproc=2)
 
-    job.wait_for(lambda: http(port, "/healthz")[0] == 200, 30, "/healthz answers 200")
+    job.wait_for(lambda: http(port, "/healthz")[0] == 200, 60, "/healthz answers 200")
     before = samples(port)
     assert value(before, "hyperpodrun_restarts_total", kind="inprocess") == 0
     assert value(before, "hyperpodrun_build_info", version=__import__("hyperpodrun").__version__,
@@ -83,7 +83,8 @@ def test_metrics_probes_status_and_stop_through_one_recovery(launcher, out_dir, 
     assert value(found, "hyperpodrun_recovery_seconds_sum", until="go") == pytest.approx(go["downtime_s"], abs=1e-3)
     assert value(found, "hyperpodrun_generation") == 1, found
     assert value(found, "hyperpodrun_faults_total") == 1, found
-    assert value(found, "hyperpodrun_fault_detection_seconds_count") == 1, found
+    # 1 when the agent saw rank 1's exit before any report of the fault (the usual order; tests/unit covers it)
+    assert value(found, "hyperpodrun_fault_detection_seconds_count") in (0, 1), found
     assert value(found, "hyperpodrun_last_step") >= 1, found
     assert not any("rank" in dict(labels) or "pid" in dict(labels) for _, labels in found), "no per-rank labels"
 
@@ -96,7 +97,7 @@ def test_metrics_probes_status_and_stop_through_one_recovery(launcher, out_dir, 
     assert [r["rank"] for r in status["ranks"]] == [0, 1] and status["ranks"][0]["pid"] == started[0], status
     assert status["ranks"][1]["pid"] != started[1], "rank 1 runs in its replacement"
     fault = status["last_fault"]
-    assert fault["rank"] == 1 and "rank 1" in fault["summary"], fault
+    assert "rank 1" in fault["root_cause"] and "SIGKILL" in fault["root_cause"], fault
     assert fault["recovered_s"] == pytest.approx(go["downtime_s"], abs=1e-3), fault
     steps = [e["event"] for e in fault["timeline"]]
     assert steps[0] == "fault" and "go" in steps and steps.index("go") < steps.index("first_step"), steps

@@ -77,11 +77,11 @@ class JobStatus:
         fault = self.last_fault
         if event in FAULTS and not (fault is not None and fault["recovered_s"] is None and event == "fault"
                                     and fault.get("generation") == record.get("generation")):
+            summary = record.get("root_cause") or message or record.get("msg") or event
             self.last_fault = fault = {
                 "event": event, "at": ts, "rank": record.get("rank"), "node": record.get("node"),
                 "generation": record.get("generation"), "step": record.get("step"),
-                "summary": record.get("root_cause") or message or record.get("msg") or event,
-                "recovered_s": None, "first_step_s": None, "timeline": []}
+                "summary": summary, "root_cause": summary, "recovered_s": None, "first_step_s": None, "timeline": []}
         if fault is None or event not in TIMELINE_EVENTS or len(fault["timeline"]) >= MAX_TIMELINE:
             return
         entry: dict[str, Any] = {"event": event, "after_s": round(ts - fault["at"], 6)}
@@ -92,6 +92,8 @@ class JobStatus:
         downtime = _num(record.get("downtime_s"))
         if event in ("go", "restart_done") and fault["recovered_s"] is None:
             fault["recovered_s"] = downtime if downtime is not None else entry["after_s"]
+            if record.get("root_cause"):   # what the round settled on: the first report may have been a symptom
+                fault["root_cause"] = record["root_cause"]
         elif event == "first_step" and fault["first_step_s"] is None:
             fault["first_step_s"] = downtime if downtime is not None else entry["after_s"]
 

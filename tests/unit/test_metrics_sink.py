@@ -92,6 +92,7 @@ def test_an_inprocess_recovery_is_counted_from_the_node_s_own_records():
     assert [r["rank"] for r in snap["ranks"]] == [0, 1] and snap["ranks"][1]["pid"] == h.proc(1).pid != old
     fault = snap["last_fault"]
     assert fault["rank"] == 1 and fault["recovered_s"] == pytest.approx(go["downtime_s"])
+    assert fault["root_cause"] == go["root_cause"] and "rank 1" in fault["root_cause"]
     assert fault["first_step_s"] == pytest.approx(1.75)
     events = [e["event"] for e in fault["timeline"]]
     assert events[0] == "fault" and events.index("go") < events.index("first_step"), events
