@@ -174,8 +174,8 @@ class Agent:
             self.status_api, self.metrics = http_api.start(cfg.metrics_host, cfg.metrics_port, self.events, self.beat,
                                                            cfg.api_token_file, self.stop_request.request)
         try:
-            self.rdzv = rdzv = rendezvous(cfg, stop_requested=lambda: bool(self._signals) or self.stop_request.requested,
-                                          on_standby=self._import_ahead)
+            self.rdzv = rdzv = rendezvous(cfg, on_standby=self._import_ahead,
+                                          stop_requested=lambda: bool(self._signals) or self.stop_request.requested)
         except JobOver as exc:
             log.warning("hyperpodrun: %s", exc)
             return 0

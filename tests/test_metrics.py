@@ -127,3 +127,19 @@ def test_no_token_file_refuses_every_mutating_call(launcher, out_dir):
     assert job.alive()
     os.kill(job.proc.popen.pid, signal.SIGTERM)
     assert job.result(timeout=60).rc == 128 + signal.SIGTERM, job.describe()
+
+
+def test_a_stop_while_waiting_for_the_other_nodes_ends_the_wait(launcher, out_dir, tmp_path):
+    """Node 0 of 2 waits at the rendezvous for a node that never comes: /healthz is 200 (it waits on purpose),
+    /readyz 503 (no worker), and POST /stop with the token ends the wait with exit 82."""
+    port, master = free_port(), free_port()
+    token_file = tmp_path / "api-token"
+    token_file.write_text(TOKEN)
+    os.chmod(token_file, 0o600)
+    job = Job(launcher, out_dir, ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+                                  str(master), "--metrics-port", str(port), "--api-token-file", str(token_file)],
+              nproc=1)
+    job.wait_for(lambda: http(port, "/healthz")[0] == 200, 60, "/healthz answers 200")
+    assert http(port, "/readyz")[0] == 503 and json.loads(http(port, "/status")[1])["ranks"] == []
+    assert http(port, "/stop", "POST", token=TOKEN)[0] == 202
+    assert job.result(timeout=30).rc == EXIT_API_STOP, job.describe()

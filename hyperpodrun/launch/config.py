@@ -291,7 +291,8 @@ class LaunchConfig(BaseModel):
         refuse_unsupported(flags)
         _derive_topology(flags, (info.context or {}).get("sources"))
         flags["rdzv_id"] = flags.get("rdzv_id") or "none"
-        for key in ("shutdown_timeout", "log_dir", "job_secret_file", "local_ranks_filter", "metrics_host", "api_token_file"):
+        for key in ("shutdown_timeout", "log_dir", "job_secret_file", "local_ranks_filter", "metrics_host",
+                    "api_token_file"):
             if flags.get(key) in (None, ""):
                 flags.pop(key, None)   # not given: the field's default
         return flags
