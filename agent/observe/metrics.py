@@ -12,6 +12,7 @@ labels are bounded sets: the restart kind, the recovery's end point, the GPU's X
 """
 from __future__ import annotations
 
+import logging
 import platform
 import sys
 import threading
@@ -20,6 +21,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from hyperpodrun import __version__
+
+log = logging.getLogger("hyperpodrun.agent")
 
 #: recovery and detection times, seconds: in-process rounds take 1-10 s, process-level restarts 10-300 s
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -67,6 +70,7 @@ class MetricsSink:
         Info("hyperpodrun_build", "The hyperpodrun that runs this agent", registry=reg).info(
             {"version": __version__, "python": platform.python_version(), "torch": _torch_version()})
         self._lock = threading.Lock()
+        self._failed = False
         self._step_seen = -1
         self._steps: Optional[Callable[[], Iterable[Optional[int]]]] = None
         self._alive: dict[int, int] = {}
@@ -89,7 +93,17 @@ class MetricsSink:
 
     # ------------------------------------------------------------------ the loop thread
     def write(self, record: Mapping[str, Any], level: int, message: str) -> None:
-        """Count one record (cheap, no I/O)."""
+        """Count one record (cheap, no I/O). A record it cannot count is logged once and skipped: a metric is
+        never worth a stopped agent."""
+        try:
+            self._count(record)
+        except Exception:   # noqa: BLE001 (any bug here must not reach the loop that runs the job)
+            if not self._failed:
+                self._failed = True
+                log.warning("metrics: a %s record could not be counted; metrics may be incomplete (the job is "
+                            "not affected)", record.get("event"), exc_info=True)
+
+    def _count(self, record: Mapping[str, Any]) -> None:
         event = str(record.get("event"))
         ts = _seconds(record.get("ts"))
         with self._lock:

@@ -9,10 +9,13 @@ which phase, which ranks with which pids, and what the last fault was and where 
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Mapping, Optional
 
 from hyperpodrun.agent.observe.k8s_report import TABLE
+
+log = logging.getLogger("hyperpodrun.agent")
 
 #: event records that set the phase beyond the Kubernetes reporter's table (agent/observe/k8s_report.py)
 MORE_PHASES = {"signal": "stopping", "api_stop": "stopping", "agent_exit": "stopped"}
@@ -36,6 +39,7 @@ class JobStatus:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._failed = False
         self.phase = "starting"
         self.generation: Optional[int] = None
         self.node: Optional[int] = None
@@ -47,7 +51,17 @@ class JobStatus:
 
     # ------------------------------------------------------------------ the loop thread
     def write(self, record: Mapping[str, Any], level: int, message: str) -> None:
-        """Fold one record into the view (cheap, no I/O: it runs in the middle of a restart round)."""
+        """Fold one record into the view (cheap, no I/O: it runs in the middle of a restart round). A record it
+        cannot fold is logged once and skipped: the status page is never worth a stopped agent."""
+        try:
+            self._fold(record, message)
+        except Exception:   # noqa: BLE001 (any bug here must not reach the loop that runs the job)
+            if not self._failed:
+                self._failed = True
+                log.warning("status API: a %s record could not be read; /status may be incomplete (the job is "
+                            "not affected)", record.get("event"), exc_info=True)
+
+    def _fold(self, record: Mapping[str, Any], message: str) -> None:
         event = str(record.get("event"))
         with self._lock:
             self.host = str(record.get("host")) if record.get("host") is not None else self.host

@@ -273,3 +273,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Broken(dict):
+    """A record whose `rank` cannot be read (a bug in a sink's reading, as far as the sink can tell)."""
+
+    def get(self, key, default=None):
+        if key == "rank":
+            raise RuntimeError("unreadable")
+        return super().get(key, default)
+
+
+def test_a_record_the_sinks_cannot_read_never_reaches_the_loop(caplog):
+    m, st = MetricsSink(), JobStatus()
+    for _ in range(2):
+        for sink in (m, st):
+            sink.write(_Broken(event="worker_start", rank=0, pid=1, ts=1.0), 0, "")   # no exception
+    warned = [r for r in caplog.records if "could not be" in r.getMessage()]
+    assert len(warned) == 2, warned                                   # once per sink
+    for sink in (m, st):
+        sink.write({"event": "worker_start", "rank": 0, "pid": 1, "ts": 1.0}, 0, "")
+    assert value(m, "hyperpodrun_ranks_alive") == 1 and st.snapshot()["ranks"] == [{"rank": 0, "pid": 1}]
