@@ -58,7 +58,8 @@ def test_metrics_probes_status_and_stop_through_one_recovery(launcher, out_dir, 
     token_file.write_text(TOKEN + "\n")
     os.chmod(token_file, 0o600)
     job = Job(launcher, out_dir, [*FAST, "--metrics-port", str(port), "--api-token-file", str(token_file)],
-              ["--steps", "1000000", "--forever-cap", "60"], nproc=2)
+              ["--steps", "1000000", "--forever-cap", "60"], nproc=2,
+              env={"HYPERPODRUN_WARM_RESPAWN": "0"})   # no zygote importing torch beside the 2 ranks on 2 cores
 
     job.wait_for(lambda: http(port, "/healthz")[0] == 200, 60, "/healthz answers 200")
     before = samples(port)
@@ -67,7 +68,7 @@ def test_metrics_probes_status_and_stop_through_one_recovery(launcher, out_dir, 
                  python=__import__("platform").python_version(),
                  torch=__import__("torch").__version__) == 1, before
 
-    started = job.wait_step(range(2), step=20)
+    started = job.wait_step(range(2), step=10)
     os.kill(started[1], signal.SIGKILL)
     job.wait_event("go", generation=1)
     job.wait_event("first_step", generation=1)
