@@ -268,6 +268,13 @@ def test_the_launcher_checks_the_three_flags(tmp_path: Path):
     check_status_api(_free_port(), "127.0.0.1", str(good))
 
 
+def test_without_prometheus_client_the_launch_says_what_to_install(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)   # `import` raises ImportError
+    with pytest.raises(ConfigError, match=r"--metrics-port needs the prometheus-client package: pip install "
+                                          r"'hyperpodrun\[metrics\]'"):
+        check_status_api(_free_port(), "127.0.0.1", None)
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
