@@ -22,7 +22,7 @@ SUBCOMMANDS = ("logs", "inject", "coordinator")
 
 EPILOG = "\b\nRefused torchrun flags and values (exit 2, one line):\n" + "\n".join(
     f"  {flag}: {why}" for flag, why in UNSUPPORTED.values()) + """
-  --rdzv-backend other than static, c10d (etcd, etcd-v2): not supported yet
+  --rdzv-backend other than static, c10d, etcd (etcd-v2): not supported
   --logs-specs other than default: no LogsSpecs plugin is loaded (hyperpodrun's own log layout, docs/logs.md)
   --event-log-handler other than null, console: hyperpodrun writes its own event log
 Accepted with no effect: --start-method, --event-log-handler null|console.
