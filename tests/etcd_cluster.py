@@ -110,6 +110,22 @@ class EtcdCluster:
                         return other
         return None
 
+    def make_leader(self, member: Member, timeout: float = 30) -> None:
+        """Hand the leadership to `member` (etcd's MoveLeader, asked of the leader now)."""
+        def moved() -> bool:
+            leader = self.leader()
+            if leader is member:
+                return True
+            st = member.status()
+            if leader is not None and st is not None:
+                try:
+                    _post(leader.url + "/v3/maintenance/transfer-leadership",
+                          {"targetID": st["header"]["member_id"]}, timeout=5)
+                except OSError:
+                    pass    # a leader change under way: asked again
+            return self.leader() is member
+        wait_until(moved, timeout, interval=0.1, message=f"etcd member {member.name} the leader")
+
     def stop(self) -> None:
         """SIGKILL every member by pid (see the module docstring)."""
         for m in self.members:

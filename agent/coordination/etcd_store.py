@@ -85,9 +85,16 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError)
 
 
-def _first_line(exc: BaseException) -> str:
+def _why(exc: BaseException, where: str) -> str:
+    """A failed call in a few words (requests' own messages run to several hundred characters)."""
     text = f"{exc} {getattr(exc, 'detail_text', '') or ''}".strip()
-    return (text.splitlines() or [type(exc).__name__])[0][:300]
+    for needle, words in (("refused", "connection refused"), ("timed out", "no answer in time"),
+                          ("Timeout", "no answer in time"), ("CERTIFICATE_VERIFY_FAILED", "TLS certificate not "
+                          "trusted (--rdzv-conf cacert)"), ("SSL", "TLS handshake failed"),
+                          ("no leader", "no leader"), ("Name or service not known", "unknown host")):
+        if needle in text:
+            return f"{where}: {words}"
+    return f"{where}: {(text.splitlines() or [type(exc).__name__])[0][:200]}"
 
 
 class EtcdLink:
@@ -163,8 +170,8 @@ class EtcdStore:
             except Exception as exc:   # etcd3gw's and requests' errors have no narrower common class
                 if not _transient(exc):
                     raise
-                why = _first_line(exc)
-                log.debug("etcd member %s:%s: %s", client.host, client.port, why)
+                why = _why(exc, f"{client.host}:{client.port}")
+                log.debug("etcd member %s", why)
                 self._at = (self._at + 1) % len(self._clients)
                 failed += 1
                 if failed % len(self._clients):
