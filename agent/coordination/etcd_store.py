@@ -24,8 +24,9 @@ workers' store a live agent hosts, never to etcd.
 
 A call that a member carried out but whose answer was lost (the member died before it answered) is tried
 again on the next member: harmless for every call but `add`, which may then count twice. The agents call
-add before the job runs (the rendezvous) and for the hints beside signed marks; a member lost exactly
-inside a rendezvous add can hand out a node rank twice - the agents then fail with one line, not silently.
+add before the job runs (the rendezvous) and for the hints beside signed marks (the marks decide); a member
+lost exactly inside a rendezvous add can skip a node rank - the job then does not form and ends at
+join_timeout with one line, not silently.
 
 Leases: liveness is judged as in the other deployments - signed lease records, each observer timing them on
 its own monotonic clock (agent/coordination/membership.py) - and not by etcd leases: an etcd lease's TTL is
