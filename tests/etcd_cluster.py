@@ -37,18 +37,71 @@ def _post(url: str, body: dict[str, Any], timeout: float = 1.0) -> dict[str, Any
         return dict(json.loads(resp.read()))
 
 
+def make_certs(directory: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by that CA, and a second
+    CA that signed nothing of these -> their paths (PEM) by name."""
+    import datetime
+    import ipaddress
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    paths: dict[str, str] = {}
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(label: str, cert: x509.Certificate, key: Any) -> None:
+        (directory / f"{label}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (directory / f"{label}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        (directory / f"{label}.key").chmod(0o600)
+        paths[label], paths[label + "_key"] = str(directory / f"{label}.pem"), str(directory / f"{label}.key")
+
+    def issue(cn: str, key: Any, issuer: x509.Name, signer: Any, ca: bool, usage: Any = None,
+              san: Any = None) -> x509.Certificate:
+        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer).public_key(key.public_key())
+             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if usage is not None:
+            b = b.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        if san is not None:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    for label in ("ca", "other_ca"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        write(label, issue(f"test {label}", key, name(f"test {label}"), key, True), key)
+    ca_key = serialization.load_pem_private_key(Path(paths["ca_key"]).read_bytes(), None)
+    ca_name = name("test ca")
+    for label, usage in (("server", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                         ("client", [ExtendedKeyUsageOID.CLIENT_AUTH])):
+        key = ec.generate_private_key(ec.SECP256R1())
+        san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+        write(label, issue(f"test {label}", key, ca_name, ca_key, False, usage, san), key)
+    return paths
+
+
 class Member:
-    def __init__(self, name: str, client: int, peer: int, data: Path) -> None:
-        self.name, self.client, self.peer, self.data = name, client, peer, data
+    def __init__(self, name: str, client: int, peer: int, data: Path, tls: Optional[dict[str, str]] = None) -> None:
+        self.name, self.client, self.peer, self.data, self.tls = name, client, peer, data, tls
         self.proc: Optional[subprocess.Popen] = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client}"
 
     def status(self) -> Optional[dict[str, Any]]:
         """The member's status (its id, the leader's id), or None when it does not answer."""
         try:
+            if self.tls:
+                import requests
+                got = requests.post(self.url + "/v3/maintenance/status", json={}, timeout=1, verify=self.tls["ca"],
+                                    cert=(self.tls["client"], self.tls["client_key"]))
+                return dict(got.json())
             return _post(self.url + "/v3/maintenance/status", {})
         except (OSError, ValueError):
             return None
@@ -66,9 +119,10 @@ class Member:
 class EtcdCluster:
     """`size` members on loopback, started together (they find each other through --initial-cluster)."""
 
-    def __init__(self, tmp: Path, size: int = 3) -> None:
+    def __init__(self, tmp: Path, size: int = 3, tls: Optional[dict[str, str]] = None) -> None:
         self.tmp = tmp
-        self.members = [Member(f"m{i}", free_port(), free_port(), tmp / f"etcd-m{i}") for i in range(size)]
+        self.tls = tls       # make_certs(): clients must then show a certificate the CA signed
+        self.members = [Member(f"m{i}", free_port(), free_port(), tmp / f"etcd-m{i}", tls) for i in range(size)]
         self.log = tmp / "etcd.log"
 
     def start(self, timeout: float = 30) -> "EtcdCluster":
@@ -85,10 +139,16 @@ class EtcdCluster:
                      "--initial-cluster-token", token,
                      # a fast election, so that losing the leader costs the tests well under a second
                      "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "error",
-                     "--logger", "zap"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+                     "--logger", "zap", *self._tls_flags()], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         wait_until(lambda: self.leader() is not None, timeout, interval=0.05,
                    message=f"an etcd leader (log: {self.log})")
         return self
+
+    def _tls_flags(self) -> list[str]:
+        if not self.tls:
+            return []
+        return ["--cert-file", self.tls["server"], "--key-file", self.tls["server_key"], "--client-cert-auth",
+                "--trusted-ca-file", self.tls["ca"]]
 
     @property
     def endpoints(self) -> str:

@@ -132,3 +132,40 @@ def test_an_etcd_that_stays_away_ends_in_one_line_after_the_deadline():
     assert 1.0 <= took < 4, took
     assert "\n" not in str(err.value) and "coordinator_timeout" in str(err.value), err.value
     assert [kind for kind, _ in told] == ["coordinator_lost"], told
+
+
+@pytest.fixture(scope="module")
+def etcd_tls(tmp_path_factory):
+    pytest.importorskip("cryptography")
+    from etcd_cluster import make_certs
+    tmp = tmp_path_factory.mktemp("etcd-tls")
+    certs = make_certs(tmp)
+    cluster = EtcdCluster(tmp, 1, tls=certs).start()
+    try:
+        yield cluster, certs
+    finally:
+        cluster.stop()
+
+
+def _tls_link(cluster, prefix: str, timeout_s: float = 30.0, **files):
+    from hyperpodrun.agent.coordination.etcd_store import EtcdLink
+    from hyperpodrun.launch.rdzv_conf import EtcdConf
+    pairs = [(h, int(p)) for h, p in (e.split(":") for e in cluster.endpoints.split(","))]
+    return EtcdLink(EtcdConf(endpoints=pairs, protocol="https", **files), prefix, timeout_s=timeout_s)
+
+
+def test_tls_with_client_certificates(etcd_tls):
+    """A member that admits only clients with a certificate its CA signed (--client-cert-auth): the store works
+    with --rdzv-conf's cacert, cert and key; without the client certificate, or trusting another CA, it does
+    not, and the line says why."""
+    from hyperpodrun.agent.coordination.etcd_store import EtcdUnreachable
+    cluster, certs = etcd_tls
+    store = _tls_link(cluster, "hyperpodrun/tls/", cacert=certs["ca"], cert=certs["client"],
+                      key=certs["client_key"]).connect()
+    store.set("k", "v")
+    assert store.get("k") == b"v" and store.add("n", 2) == 2
+    with pytest.raises(EtcdUnreachable, match="TLS"):
+        _tls_link(cluster, "hyperpodrun/tls/", timeout_s=0.5, cacert=certs["other_ca"], cert=certs["client"],
+                  key=certs["client_key"]).connect().check(["k"])
+    with pytest.raises(EtcdUnreachable, match="TLS"):
+        _tls_link(cluster, "hyperpodrun/tls/", timeout_s=0.5, cacert=certs["ca"]).connect().check(["k"])

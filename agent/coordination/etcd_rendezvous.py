@@ -35,6 +35,7 @@ class EtcdRendezvous(C10dRendezvous):
         if conf is None:    # the launch configuration sets it for every --rdzv-backend etcd job of several nodes
             raise RendezvousError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
         link = EtcdLink(conf, K.run_prefix(cfg.rdzv_id), timeout_s=cfg.coordinator_timeout)
+        link.post = lambda event: log.warning("%s", event[1])   # until the agent's inbox takes the outage news
         store = link.connect()
         store.check([K.AUTH])      # reach a member now: an outage at the start is told before anything else
         host, port = conf.endpoints[0]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -114,6 +115,7 @@ class EtcdLink:
         self.clock = clock or SystemClock()
         self.sleep = sleep
         self.post: Callable[[Posted], None] = lambda event: None   # the agent's inbox, once it has one
+        self.where = f"the etcd cluster {conf.where()}"
         self._down_since: Optional[float] = None
         self._lock = threading.Lock()
 
@@ -153,9 +155,8 @@ class EtcdStore:
         from etcd3gw.client import Etcd3Client
         self._link = link
         conf = link.conf
-        self._clients = [Etcd3Client(host=h, port=p, protocol=conf.protocol, ca_cert=conf.cacert,
-                                     cert_key=conf.key, cert_cert=conf.cert, timeout=link.request_timeout_s)
-                         for h, p in conf.endpoints]
+        self._clients = [Etcd3Client(host=h, port=p, protocol=conf.protocol, timeout=link.request_timeout_s,
+                                     session=_session(conf)) for h, p in conf.endpoints]
         self._at = 0                          # the member that answered last
         self._timeout_s = 300.0               # how long a get waits for its key (set_timeout)
 
@@ -288,6 +289,20 @@ class EtcdStore:
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout_s = timeout.total_seconds()
+
+
+def _session(conf: EtcdConf) -> Any:
+    """The HTTP session of one member's client. Not from the environment: requests lets REQUESTS_CA_BUNDLE
+    override a session's own CA file (so `cacert` would be ignored wherever that variable is set), and an
+    HTTP(S)_PROXY meant for the internet must not carry the job's coordination records; the environment's CA
+    bundle is still used when no `cacert` is given."""
+    import requests
+    session = requests.Session()
+    session.trust_env = False
+    session.verify = conf.cacert or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+    if conf.cert and conf.key:
+        session.cert = (conf.cert, conf.key)
+    return session
 
 
 def _store_timeout(message: str) -> Exception:

@@ -165,7 +165,8 @@ class _StoreRendezvous(abc.ABC):
         run_id = cfg.rdzv_id
         store, serve, coordinator, bind, host, port, link = self.connect(cfg)
         store.set_timeout(timedelta(seconds=cfg.join_timeout))
-        secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id, f"{host}:{port}")
+        secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id,
+                                       link.where if link is not None else f"{host}:{port}")
         if isinstance(link, CoordinatorLink):   # what it wrote and saw goes back into a coordinator started again
             link.resupply = Resupply(auth.derive(secret, "store"), run_id)
         records = SignedRecords(store, auth.derive(secret, "store"), run_id, forged=lambda name: None)

@@ -182,3 +182,27 @@ def test_the_prefix_renders_torchruns_macros() -> None:
     from hyperpodrun.launch.flag_syntax import render_prefix
     assert render_prefix("${hostname}:${rank}: ", "default", 5, 1, "vm") == "vm:5: "
     assert render_prefix("$role_name/${local_rank} ${other} $$ ", "trainer", 5, 1, "vm") == "trainer/1 ${other} $ "
+
+
+def test_etcd_without_its_client_library_is_one_line(script: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rdzv-backend etcd needs the optional extra: without etcd3gw, one line naming it (exit 2 at the CLI)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "etcd3gw", None)    # `import etcd3gw` raises ImportError
+    with pytest.raises(ConfigError) as err:
+        _config(["--log-dir", str(tmp_path), "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                 "h1:2379,h2", script])
+    assert str(err.value) == "--rdzv-backend etcd needs the etcd3gw package: pip install 'hyperpodrun[etcd]'"
+
+
+def test_etcd_endpoints_and_tls(script: str, tmp_path: Path) -> None:
+    """The members in the order given (port 2379 when left out); TLS files as given; one node needs none."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    cfg = _config(["--log-dir", str(tmp_path), "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                   "h1:2379, h2 ,[::1]:2380", "--rdzv-conf", f"protocol=https,cacert={ca},coordinator_timeout=9",
+                   script])
+    assert cfg.etcd is not None and cfg.etcd.endpoints == [("h1", 2379), ("h2", 2379), ("::1", 2380)]
+    assert (cfg.etcd.protocol, cfg.etcd.cacert, cfg.etcd.cert, cfg.coordinator_timeout) == ("https", str(ca), None, 9)
+    assert cfg.node_rank is None and cfg.rdzv_backend == "etcd"
+    assert _config(["--log-dir", str(tmp_path), "--rdzv-backend", "etcd", script]).etcd is None
