@@ -82,7 +82,10 @@ def test_etcd_leader_lost_then_a_node_lost_and_replaced(launcher, tmp_path, refe
     assert lost and lost[0]["node"] == 1, info
     assert replacement.events("replacing"), info
     started = [e for n in (node0, replacement) for e in n.events("workers_started")]
+    etcd_ports = {str(m.client) for m in etcd.members} | {str(m.peer) for m in etcd.members}
+    ports = {e["msg"].rsplit("store 127.0.0.1:", 1)[-1].rstrip(")") for e in started}
     assert started and all("store 127.0.0.1:" in e["msg"] for e in started), started
+    assert not ports & etcd_ports, (ports, etcd_ports)   # the workers' stores are on the agents, never etcd
     assert_same_state(reference, job.out)
 
 
