@@ -12,12 +12,13 @@ outage, as etcd keeps its records through the loss of any minority of its member
 from __future__ import annotations
 
 import logging
+from typing import Callable, Optional
 
 from hyperpodrun import netaddr
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.coordination.etcd_store import EtcdLink
 from hyperpodrun.agent.coordination.rendezvous import C10dRendezvous, Connected
-from hyperpodrun.agent.ports import KVStore
+from hyperpodrun.agent.ports import KVStore, RendezvousInfo
 from hyperpodrun.errors import RendezvousError
 from hyperpodrun.launch.config import LaunchConfig
 
@@ -27,6 +28,14 @@ log = logging.getLogger("hyperpodrun.agent")
 class EtcdRendezvous(C10dRendezvous):
     """The c10d rendezvous' join order and spares, over the run's keys in etcd."""
 
+    _link: Optional[EtcdLink] = None
+
+    def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
+        info = super().join(cfg, stop_requested)
+        if self._link is not None:     # from here on, an outage happens while the job trains
+            self._link.meanwhile = EtcdLink.meanwhile
+        return info
+
     def open_store(self, cfg: LaunchConfig) -> tuple[KVStore, bool, str, str, int]:
         raise RendezvousError("the etcd backend opens no TCP store")   # connect() replaces it
 
@@ -35,7 +44,9 @@ class EtcdRendezvous(C10dRendezvous):
         if conf is None:    # the launch configuration sets it for every --rdzv-backend etcd job of several nodes
             raise RendezvousError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
         link = EtcdLink(conf, K.run_prefix(cfg.rdzv_id), timeout_s=cfg.coordinator_timeout)
-        link.post = lambda event: log.warning("%s", event[1])   # until the agent's inbox takes the outage news
+        # until the agent's inbox takes the outage news (agent.py), it is a warning of the rendezvous
+        link.post, link.meanwhile = (lambda event: log.warning("%s", event[1])), "the rendezvous waits for etcd"
+        self._link = link
         store = link.connect()
         store.check([K.AUTH])      # reach a member now: an outage at the start is told before anything else
         host, port = conf.endpoints[0]

@@ -105,6 +105,7 @@ class EtcdLink:
     (`coordinator_lost`, `coordinator_back`: an outage is news, never a failure by itself)."""
 
     reconnects = 0    # etcd never comes back empty (its members keep the records): nothing is written back
+    meanwhile = "training goes on; a fault waits for etcd"   # what an outage means now, for its message
 
     def __init__(self, conf: EtcdConf, prefix: str, *, timeout_s: float, clock: Optional[Clock] = None,
                  sleep: Callable[[float], None] = time.sleep, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
@@ -132,8 +133,8 @@ class EtcdLink:
             assert self._down_since is not None
             away = self.clock.monotonic() - self._down_since
         if first:
-            msg = (f"no etcd member of {self.conf.where()} answers ({why}): training goes on; a fault waits for "
-                   f"etcd (up to --rdzv-conf coordinator_timeout {self.timeout_s:g}s)")
+            msg = (f"no etcd member of {self.conf.where()} answers ({why}): {self.meanwhile} (up to --rdzv-conf "
+                   f"coordinator_timeout {self.timeout_s:g}s)")
             log.debug("%s", msg)
             self.post(("coordinator_lost", msg))
         return away
