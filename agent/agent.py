@@ -156,8 +156,8 @@ class Agent:
             if not any(c.__name__ == "DistError" for c in type(exc).__mro__):
                 raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            self.events.emit("store_lost", f"lost the coordination store ({first}): its host (a node, or a standalone "
-                             "coordinator) is gone or unreachable; stopping this node", level=logging.ERROR)
+            self.events.emit("store_lost", f"lost the coordination store ({first}): its host (a node, a standalone "
+                             "coordinator, or etcd) is gone or unreachable; stopping this node", level=logging.ERROR)
             return EXIT_AGENT_ERROR
         finally:
             self._cleanup()

@@ -206,8 +206,8 @@ class Node:
                              "job's outcome is unknown; exiting with an error", level=logging.ERROR)
             self.begin_stop(StopPlan.exit(EXIT_AGENT_ERROR), self.cfg.shutdown_signal)
         elif phase is not Phase.STOPPING:
-            self.events.emit("store_lost", f"lost the coordination store ({why}): its host (a node, or a standalone "
-                             "coordinator) is gone or unreachable; stopping this node", level=logging.ERROR)
+            self.events.emit("store_lost", f"lost the coordination store ({why}): its host (a node, a standalone "
+                             "coordinator, or etcd) is gone or unreachable; stopping this node", level=logging.ERROR)
             self.begin_stop(StopPlan.exit(EXIT_AGENT_ERROR), self.cfg.shutdown_signal)
 
     def on_exit(self, proc: WorkerProcess) -> None:

@@ -90,9 +90,11 @@ class KVStore(Protocol):
 
 
 class StoreLink(Protocol):
-    """An agent's tie to a coordination store that may be started again empty (agent/coordination/reconnect.py,
-    CoordinatorLink): connections that reconnect and write the agent's records back by themselves."""
+    """An agent's tie to a coordination store that may go away for a while: a standalone coordinator, which may
+    come back empty (agent/coordination/reconnect.py, CoordinatorLink: connections that reconnect and write the
+    agent's records back by themselves), or an etcd cluster (agent/coordination/etcd_store.py, EtcdLink)."""
 
+    where: str                               # the store's address(es), for messages
     reconnects: int                          # how many times the store came back empty and was supplied again
     post: Callable[[Posted], None]           # where "coordinator_lost" / "coordinator_back" go
 

@@ -22,7 +22,7 @@ SUBCOMMANDS = ("logs", "inject", "coordinator")
 
 EPILOG = "\b\nRefused torchrun flags and values (exit 2, one line):\n" + "\n".join(
     f"  {flag}: {why}" for flag, why in UNSUPPORTED.values()) + """
-  --rdzv-backend other than static, c10d (etcd, etcd-v2): not supported yet
+  --rdzv-backend other than static, c10d, etcd (etcd-v2): not supported
   --logs-specs other than default: no LogsSpecs plugin is loaded (hyperpodrun's own log layout, docs/logs.md)
   --event-log-handler other than null, console: hyperpodrun writes its own event log
 Accepted with no effect: --start-method, --event-log-handler null|console.
@@ -106,10 +106,11 @@ def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Option
 @topt("--nnodes", default="1:1", help="Number of nodes, N, or MIN:MAX for an elastic job (c10d rendezvous; shrinks and grows with "
                                                 "--inprocess-restart).")
 @topt("--nproc-per-node", default="1", help="Workers per node: a number, auto, gpu or cpu.")
-@topt("--rdzv-backend", default="static", help="static or c10d.")
-@topt("--rdzv-endpoint", default="", show_default="none", help="HOST:PORT of the c10d rendezvous (one of the nodes).")
+@topt("--rdzv-backend", default="static", help="static, c10d, or etcd (needs hyperpodrun[etcd]).")
+@topt("--rdzv-endpoint", default="", show_default="none", help="HOST:PORT of the c10d rendezvous (one of the nodes, or a "
+      "coordinator); etcd: the members, HOST:PORT,HOST:PORT,...")
 @topt("--rdzv-id", default="none", help="Job id; the same on every node.")
-@topt("--rdzv-conf", default="", show_default="none", help="KEY=VALUE,... (join_timeout=SECONDS).")
+@topt("--rdzv-conf", default="", show_default="none", help="KEY=VALUE,... (join_timeout=SECONDS; etcd: protocol, cacert, cert, key).")
 @topt("--standalone", is_flag=True, show_default=OFF, help="Single-node job with a local rendezvous.")
 @topt("--max-restarts", default="0", metavar="N", help="Job-wide process-level restart budget (at most 1000000).")
 @topt("--monitor-interval", default="0.1", metavar="SECONDS", help="Seconds between supervision checks.")

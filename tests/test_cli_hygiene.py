@@ -207,13 +207,13 @@ def test_help_shows_defaults_and_refused_flags(launcher):
     from hyperpodrun.cli import UNSUPPORTED
     for flag, why in UNSUPPORTED.values():
         assert flag in refused and why in refused, flag
-    for text in ("--rdzv-backend other than static, c10d", "--event-log-handler"):
+    for text in ("--rdzv-backend other than static, c10d, etcd", "--event-log-handler"):
         assert text in refused, text
 
 
 @pytest.mark.parametrize("flags", [["--numa-binding", "bogus"], ["--logs-specs", "x"],
                                    ["--nnodes", "1:2"],
-                                   ["--rdzv-backend", "etcd"], ["--no-such-flag"]], ids=" ".join)
+                                   ["--rdzv-backend", "etcd-v2"], ["--no-such-flag"]], ids=" ".join)
 def test_refused_flags_are_one_line(launcher, ok_script, flags):
     _one_line_usage_error(launcher.run([*flags, ok_script], timeout=30), flags[0])
 

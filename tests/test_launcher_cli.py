@@ -84,7 +84,7 @@ BAD_FLAGS = [
     (["--numa-binding", "bogus"], ["--numa-binding", "'bogus' is not one of"]),
     (["--logs-specs", "my_specs"], ["--logs-specs 'my_specs'", "accepted: default"]),
     (["--nnodes", "1:2"], ["--nnodes 1:2", "c10d"]),
-    (["--rdzv-backend", "etcd"], ["--rdzv-backend", "etcd", "not supported"]),
+    (["--rdzv-backend", "etcd-v2"], ["--rdzv-backend", "etcd-v2", "not supported"]),
     (["--no-such-flag"], ["--no-such-flag"]),
 ]
 

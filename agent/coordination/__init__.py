@@ -1,6 +1,6 @@
 """Coordination between nodes: rendezvous, node membership and leases, elastic layouts, the coordination
-store and its schema, and the job-wide state kept there (job_state). Where a standalone coordinator and an
-etcd backend go.
+store and its schema, and the job-wide state kept there (job_state); the standalone coordinator, and the etcd
+backend (etcd_store, etcd_rendezvous: its client library, etcd3gw, is imported only when it is used).
 
-May import: hyperpodrun (auth, env, errors, netaddr, settings), hyperpodrun.agent.ports and .observe.
+May import: hyperpodrun (auth, env, errors, netaddr, settings, launch), hyperpodrun.agent.ports and .observe.
 """

@@ -17,24 +17,25 @@ Each backend implements the Rendezvous port (agent/ports.py) and is registered u
 from __future__ import annotations
 
 import abc
+import importlib
 import logging
 from dataclasses import dataclass
 import socket
 import time
 import uuid
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from hyperpodrun import auth, netaddr
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.coordination import stores
 from hyperpodrun.agent.coordination.coordinator import is_coordinator
-from hyperpodrun.agent.coordination.signed_records import SignedRecords
+from hyperpodrun.agent.coordination.signed_records import SignedRecords, agree_secret
 from hyperpodrun.agent.coordination.layout import LayoutRecords, free_ranks
 from hyperpodrun.agent.coordination.membership import MemberRecords, lease_interval, new_incarnation
-from hyperpodrun.agent.coordination.reconnect import coordinator_link
+from hyperpodrun.agent.coordination.reconnect import CoordinatorLink, coordinator_link
 from hyperpodrun.agent.coordination.resupply import Resupply
-from hyperpodrun.agent.ports import KVStore, Rendezvous, RendezvousInfo
+from hyperpodrun.agent.ports import KVStore, Rendezvous, RendezvousInfo, StoreLink
 from hyperpodrun.agent.coordination.store_schema import Layout, NodeJoin, NodeLoss
 from hyperpodrun.launch.config import LaunchConfig
 from hyperpodrun.errors import HyperpodrunError, RendezvousError
@@ -62,6 +63,20 @@ class Seat:
     node: int
     replacing: Optional[NodeLoss] = None
     admitted: Optional[Layout] = None
+
+
+class Connected(NamedTuple):
+    """A coordination store reached: (the run's store, this agent serves it, a standalone coordinator or etcd
+    serves it - no agent does, the address this agent's store servers listen on, host, port, the link of
+    connections that outlive an outage)."""
+
+    store: KVStore
+    serve: bool
+    coordinator: bool
+    bind: str
+    host: str
+    port: int
+    link: Optional[StoreLink]
 
 
 #: rendezvous backends by name: a factory each (the Rendezvous port)
@@ -128,7 +143,9 @@ class _StoreRendezvous(abc.ABC):
         """This node's seat in the job: its rank (0..nnodes-1), taken through the store and held by
         `incarnation`, and whether it replaces a lost node or was admitted to a running elastic job."""
 
-    def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
+    def connect(self, cfg: LaunchConfig) -> Connected:
+        """The run's coordination store, and who serves it: this agent, another agent, or a standalone
+        coordinator (then every connection reconnects should it be started again: agent/coordination/reconnect.py)."""
         run_id = cfg.rdzv_id
         raw, serve, bind, host, port = self.open_store(cfg)
         coordinator = not serve and is_coordinator(raw)
@@ -140,13 +157,17 @@ class _StoreRendezvous(abc.ABC):
             # no agent hosts the store: each serves the workers' stores it claims, on its address towards it
             bind = netaddr.multi_node_bind(host, cfg.local_addr)
             log.info("the coordination store at %s:%d is a standalone coordinator: this agent hosts none", host, port)
-        # with a coordinator, every connection reconnects should it be started again (agent/coordination/reconnect.py)
         link = coordinator_link(host, port, run_id, raw, cfg.coordinator_timeout) if coordinator else None
         store = stores.prefixed(K.run_prefix(run_id), raw)
-        store = link.connect(store) if link is not None else store
+        return Connected(link.connect(store) if link is not None else store, serve, coordinator, bind, host, port, link)
+
+    def join(self, cfg: LaunchConfig, stop_requested: Callable[[], bool]) -> RendezvousInfo:
+        run_id = cfg.rdzv_id
+        store, serve, coordinator, bind, host, port, link = self.connect(cfg)
         store.set_timeout(timedelta(seconds=cfg.join_timeout))
-        secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id, f"{host}:{port}")
-        if link is not None:    # what it wrote and saw goes back into a coordinator started again, signed
+        secret, warning = agree_secret(store, auth.job_secret(cfg.job_secret_file), run_id,
+                                       link.where if link is not None else f"{host}:{port}")
+        if isinstance(link, CoordinatorLink):   # what it wrote and saw goes back into a coordinator started again
             link.resupply = Resupply(auth.derive(secret, "store"), run_id)
         records = SignedRecords(store, auth.derive(secret, "store"), run_id, forged=lambda name: None)
         members = MemberRecords(records)
@@ -369,32 +390,6 @@ class C10dRendezvous(_StoreRendezvous):
 register_backend("local", LocalRendezvous)
 register_backend("static", StaticRendezvous)
 register_backend("c10d", C10dRendezvous)
-
-
-def agree_secret(store: KVStore, given: Optional[bytes], run_id: str, where: str) -> tuple[bytes, str]:
-    """The job secret every agent of the run uses -> (secret, warning or "").
-
-    The first agent sets the store's `auth` record: "user:<HMAC of the run id>" with a user secret (the
-    others check theirs gives the same, so two nodes with different secrets fail here, plainly, instead of
-    ignoring each other's records later), or "agreed:<random secret>" without one."""
-    if given is not None:
-        mine = "user:" + auth.derive(auth.derive(given, "check"), run_id).hex()
-    else:
-        mine = "agreed:" + auth.new_secret().decode()
-    got = store.compare_set(K.AUTH, "", mine).decode()
-    fix = f"give every node the same secret ({auth.SECRET_ENV} or --job-secret-file)"
-    if given is not None:
-        if got == mine:
-            return given, ""
-        if got.startswith("agreed:"):
-            raise RendezvousError(f"this node has a job secret but the node(s) that joined run {run_id!r} first "
-                                  f"have none; {fix}")
-        raise RendezvousError(f"this node's job secret differs from the one the other nodes of run {run_id!r} "
-                              f"use; {fix}")
-    if not got.startswith("agreed:"):
-        raise RendezvousError(f"the other nodes of run {run_id!r} were given a job secret and this node was not; "
-                              f"{fix}")
-    warning = (f"no job secret was given: the nodes agreed on one through the coordination store at {where}, so the "
-               "peer-copy receivers and the job's signed store records trust anyone who can reach that store. "
-               f"To fix this, {fix}; see docs/security.md")
-    return got.removeprefix("agreed:").encode(), warning
+# imported when used: its client library is an optional extra (hyperpodrun[etcd])
+register_backend("etcd", lambda: getattr(importlib.import_module("hyperpodrun.agent.coordination.etcd_rendezvous"),
+                                         "EtcdRendezvous")())

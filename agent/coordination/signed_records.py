@@ -4,7 +4,8 @@ ignored and reported once (`forged_record`).
 
 Why a module of its own: the job-wide state (job_state.py), node membership (membership.py) and elastic
 layouts (layout.py) all keep their records this way, and job_state builds on the other two - with the
-records here, the imports go one way.
+records here, the imports go one way. The job secret those records are signed with is agreed here too
+(`agree_secret`, at the rendezvous).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable, Optional, Sequence
 from hyperpodrun import auth
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.ports import KVStore
+from hyperpodrun.errors import RendezvousError
 
 #: how often a compare-and-set is tried again when another agent changed the record meanwhile
 _CAS_TRIES = 64
@@ -143,3 +145,32 @@ class SignedRecords:
         mark = K.node_mark(name, node)
         raw = self._raw(mark)
         return bool(raw) and self._unpack(mark, raw) == "1"
+
+
+def agree_secret(store: KVStore, given: Optional[bytes], run_id: str, where: str) -> tuple[bytes, str]:
+    """The job secret every agent of the run uses -> (secret, warning or "").
+
+    The first agent sets the store's `auth` record: "user:<HMAC of the run id>" with a user secret (the
+    others check theirs gives the same, so two nodes with different secrets fail here, plainly, instead of
+    ignoring each other's records later), or "agreed:<random secret>" without one."""
+    if given is not None:
+        mine = "user:" + auth.derive(auth.derive(given, "check"), run_id).hex()
+    else:
+        mine = "agreed:" + auth.new_secret().decode()
+    got = store.compare_set(K.AUTH, "", mine).decode()
+    fix = f"give every node the same secret ({auth.SECRET_ENV} or --job-secret-file)"
+    if given is not None:
+        if got == mine:
+            return given, ""
+        if got.startswith("agreed:"):
+            raise RendezvousError(f"this node has a job secret but the node(s) that joined run {run_id!r} first "
+                                  f"have none; {fix}")
+        raise RendezvousError(f"this node's job secret differs from the one the other nodes of run {run_id!r} "
+                              f"use; {fix}")
+    if not got.startswith("agreed:"):
+        raise RendezvousError(f"the other nodes of run {run_id!r} were given a job secret and this node was not; "
+                              f"{fix}")
+    warning = (f"no job secret was given: the nodes agreed on one through the coordination store at {where}, so the "
+               "peer-copy receivers and the job's signed store records trust anyone who can reach that store. "
+               f"To fix this, {fix}; see docs/security.md")
+    return got.removeprefix("agreed:").encode(), warning

@@ -32,6 +32,7 @@ from hyperpodrun.launch.bounds import (  # noqa: F401 (re-exported)
     MAX_NPROC_PER_NODE, MAX_NNODES, MAX_COUNT, MAX_TIMEOUT_S, MIN_INTERVAL_S, MAX_INTERVAL_S,
     DEFAULT_JOIN_TIMEOUT_S, DEFAULT_LAST_CALL_S, DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_NODE_TIMEOUT_S,
     MIN_NODE_TIMEOUT_S, DEFAULT_REPLACE_TIMEOUT_S, DEFAULT_METRICS_HOST)
+from hyperpodrun.launch import rdzv_conf
 from hyperpodrun.launch.host_checks import (count_workers, default_log_dir, own_address, private_log_base, standby_auto,
                                      temp_log_base)
 
@@ -94,34 +95,11 @@ def _flag_mode(info: ValidationInfo) -> bool:
 
 
 def _join_timeout(conf: dict[str, str]) -> float:
-    """`--rdzv-conf join_timeout=S` (or torchrun's `timeout=S`), bounded."""
-    key = "join_timeout" if "join_timeout" in conf else "timeout"
-    try:
-        value = float(conf.get(key, DEFAULT_JOIN_TIMEOUT_S))
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= MAX_TIMEOUT_S:   # nan and inf fail here too
-        raise ConfigError(f"--rdzv-conf {key}={conf[key]}: must be {ACCEPTS['join_timeout']} "
-                          "(e.g. --rdzv-conf join_timeout=900)")
-    return value
+    return rdzv_conf.join_timeout(conf, DEFAULT_JOIN_TIMEOUT_S, MAX_TIMEOUT_S, ACCEPTS["join_timeout"])
 
 
 def _conf_seconds(conf: dict[str, str], key: str, default: float, *, zero_ok: bool) -> float:
-    """`--rdzv-conf KEY=SECONDS`, bounded: last_call_timeout (how long an elastic job that has MIN nodes waits
-    for more: torchrun's meaning; 0 allowed) and coordinator_timeout (how long the agents keep reconnecting to
-    a standalone coordinator that went away - training goes on meanwhile, a fault waits - before the job ends)."""
-    text = conf.get(key)
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (0 <= value if zero_ok else 0 < value) or not value <= MAX_TIMEOUT_S:   # nan and inf fail here too
-        lowest = "0" if zero_ok else "more than 0"
-        raise ConfigError(f"--rdzv-conf {key}={text}: must be seconds from {lowest} to {MAX_TIMEOUT_S:g} "
-                          f"(e.g. --rdzv-conf {key}={default:g})")
-    return value
+    return rdzv_conf.seconds(conf, key, default, zero_ok=zero_ok, most=MAX_TIMEOUT_S)
 
 
 def _derive_topology(flags: dict[str, Any], sources: Optional[dict[str, str]] = None) -> None:
@@ -140,9 +118,14 @@ def _derive_topology(flags: dict[str, Any], sources: Optional[dict[str, str]] = 
         if nnodes != 1:
             raise ConfigError("--standalone runs one node; drop --nnodes or --standalone")
         backend, endpoint = "c10d", "localhost:0"
-    if backend not in ("static", "c10d"):
-        raise ConfigError(f"--rdzv-backend {backend!r} is not supported yet; use static or c10d")
+    if backend not in ("static", "c10d", "etcd"):
+        raise ConfigError(f"--rdzv-backend {backend!r} is not supported; use static, c10d or etcd")
+    rdzv_conf.refuse_etcd_keys(backend, conf)
+    etcd = rdzv_conf.etcd_conf(endpoint, conf) if backend == "etcd" and nnodes > 1 else None
 
+    if lo != hi and backend == "etcd":
+        raise ConfigError(f"--nnodes {nnodes_text}: the etcd backend runs a fixed number of nodes (no elastic range) "
+                          f"yet; give --nnodes {hi}, or use --rdzv-backend c10d")
     if lo != hi and backend != "c10d":
         raise ConfigError(f"--nnodes {nnodes_text}: an elastic range needs the c10d rendezvous (node ranks are "
                           "handed out as agents join); add --rdzv-backend c10d --rdzv-endpoint HOST:PORT, or "
@@ -150,7 +133,12 @@ def _derive_topology(flags: dict[str, Any], sources: Optional[dict[str, str]] = 
     rdzv_host, rdzv_port = "localhost", 0
     single = nnodes == 1
     master_addr = given_addr or ("127.0.0.1" if not single else "localhost")
-    if backend == "c10d":
+    if etcd is not None:   # the agents meet in etcd: node ranks in join order, as with c10d
+        rdzv_host, rdzv_port = etcd.endpoints[0]
+        node_rank = None
+    elif backend == "etcd":   # one node: nothing to meet, etcd is not used
+        node_rank = None
+    elif backend == "c10d":
         if not endpoint:
             raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the host of one of the nodes)")
         rdzv_host, rdzv_port = parse_endpoint(endpoint)
@@ -178,7 +166,7 @@ def _derive_topology(flags: dict[str, Any], sources: Optional[dict[str, str]] = 
             master_addr = own_address(flags.get("local_addr"))
     flags.update(nnodes=nnodes, rdzv_backend=backend, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
                  join_timeout=_join_timeout(conf), node_rank=node_rank, master_addr=master_addr, single_node=single,
-                 min_nodes=lo, last_call_timeout=_conf_seconds(conf, "last_call_timeout", DEFAULT_LAST_CALL_S, zero_ok=True),
+                 min_nodes=lo, etcd=etcd, last_call_timeout=_conf_seconds(conf, "last_call_timeout", DEFAULT_LAST_CALL_S, zero_ok=True),
                  coordinator_timeout=_conf_seconds(conf, "coordinator_timeout", DEFAULT_COORDINATOR_TIMEOUT_S,
                                                    zero_ok=False))
 
@@ -201,7 +189,8 @@ class LaunchConfig(BaseModel):
     last_call_timeout: float = Field(30.0, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     nproc_per_node: int = Field(1, ge=1, le=MAX_NPROC_PER_NODE)
     node_rank: Optional[int] = Field(0, ge=0, lt=MAX_NNODES)
-    rdzv_backend: Literal["static", "c10d"] = "static"
+    rdzv_backend: Literal["static", "c10d", "etcd"] = "static"
+    etcd: Optional[rdzv_conf.EtcdConf] = None   # --rdzv-backend etcd: its members and TLS (launch/rdzv_conf.py)
     rdzv_host: str = "localhost"
     rdzv_port: int = Field(0, ge=0, le=65535)
     rdzv_id: str = "none"

@@ -84,7 +84,18 @@ BAD = [
     (["--start-method", "bogus"], "--start-method must be spawn, fork or forkserver"),
     (["--event-log-handler", "syslog"], "--event-log-handler 'syslog' is not supported"),
     (["--standalone", "--nnodes", "2"], "--standalone runs one node"),
-    (["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd' is not supported yet"),
+    (["--rdzv-backend", "etcd-v2"], "--rdzv-backend 'etcd-v2' is not supported; use static, c10d or etcd"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd"], "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379,h2:0"], "--rdzv-endpoint 'h1:2379,h2:0': give each etcd member as HOST:PORT"),
+    (["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379"], "--nnodes 1:2: the etcd backend runs a fixed number of nodes"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "protocol=ftp"],
+     "--rdzv-conf protocol=ftp: must be http or https"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "cacert=/no/such.pem"],
+     "--rdzv-conf cacert=/no/such.pem needs protocol=https"),
+    (["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf",
+      "protocol=https,cacert=/no/such.pem"], "--rdzv-conf cacert=/no/such.pem: not a readable file"),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h1:1", "--rdzv-conf", "protocol=https"],
+     "--rdzv-conf protocol: only for --rdzv-backend etcd"),
     (["--rdzv-backend", "c10d"], "--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT"),
     (["--nnodes", "2", "--master-port", "0"], "--master-port: port 0 cannot be found by the other nodes"),
     (["--node-rank", "1"], "--node-rank 1 with one node; it must be 0"),
@@ -171,3 +182,27 @@ def test_the_prefix_renders_torchruns_macros() -> None:
     from hyperpodrun.launch.flag_syntax import render_prefix
     assert render_prefix("${hostname}:${rank}: ", "default", 5, 1, "vm") == "vm:5: "
     assert render_prefix("$role_name/${local_rank} ${other} $$ ", "trainer", 5, 1, "vm") == "trainer/1 ${other} $ "
+
+
+def test_etcd_without_its_client_library_is_one_line(script: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rdzv-backend etcd needs the optional extra: without etcd3gw, one line naming it (exit 2 at the CLI)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "etcd3gw", None)    # `import etcd3gw` raises ImportError
+    with pytest.raises(ConfigError) as err:
+        _config(["--log-dir", str(tmp_path), "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                 "h1:2379,h2", script])
+    assert str(err.value) == "--rdzv-backend etcd needs the etcd3gw package: pip install 'hyperpodrun[etcd]'"
+
+
+def test_etcd_endpoints_and_tls(script: str, tmp_path: Path) -> None:
+    """The members in the order given (port 2379 when left out); TLS files as given; one node needs none."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    cfg = _config(["--log-dir", str(tmp_path), "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                   "h1:2379, h2 ,[::1]:2380", "--rdzv-conf", f"protocol=https,cacert={ca},coordinator_timeout=9",
+                   script])
+    assert cfg.etcd is not None and cfg.etcd.endpoints == [("h1", 2379), ("h2", 2379), ("::1", 2380)]
+    assert (cfg.etcd.protocol, cfg.etcd.cacert, cfg.etcd.cert, cfg.coordinator_timeout) == ("https", str(ca), None, 9)
+    assert cfg.node_rank is None and cfg.rdzv_backend == "etcd"
+    assert _config(["--log-dir", str(tmp_path), "--rdzv-backend", "etcd", script]).etcd is None
