@@ -184,7 +184,7 @@ def replay(mem: int, fd: int, limit: int = REPLAY_BYTES) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the watch
-class _Watched(os._Environ):  # type: ignore[type-arg]
+class _Watched(os._Environ):
     """os.environ (and os.environb) while the script runs ahead: a look at a rank's variable gives up."""
 
     def __getitem__(self, key: Any) -> Any:
@@ -207,13 +207,13 @@ def _environs() -> list[Any]:
 def _watch() -> None:
     for env in _environs():
         if type(env) is os._Environ:
-            env.__class__ = _Watched
+            setattr(env, "__class__", _Watched)
 
 
 def _unwatch() -> None:
     for env in _environs():
         if type(env) is _Watched:
-            env.__class__ = os._Environ
+            setattr(env, "__class__", os._Environ)
 
 
 def _touched(key: Any, verb: str) -> None:
@@ -254,8 +254,8 @@ def _hook_init_process_group() -> None:
             give_up(f"it called init_process_group before its HPWrapper function (at {where()})")
         return original(*args, **kwargs)
     setattr(init_process_group, _MARK, True)
-    c10d.init_process_group = init_process_group  # type: ignore[assignment]
-    dist.init_process_group = init_process_group   # type: ignore[assignment]
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
 
 
 __all__ = ["AwaitRank", "Prerun", "arm", "give_up", "park", "prerunning", "promoted", "replay", "where"]
