@@ -124,7 +124,7 @@ class StandbyPool:
                 ahead = self.prerun_for(slot) if self.prerun_for is not None and self.prerun.on else None
                 try:
                     pid, chan = spawner.fork_standby(slot, slot_dir=self.slot_dir_for(slot), cuda_visible=cuda,
-                                                     prerun=ahead)
+                                                     **({"prerun": ahead} if ahead is not None else {}))
                 except warm_spawner.WarmSpawnError as exc:
                     log.info("no standby for local rank %d for now: %s", slot, exc)
                     self._next_fork[slot] = now + self._backoff[slot]

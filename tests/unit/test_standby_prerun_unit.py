@@ -169,3 +169,116 @@ def test_what_a_script_may_do_at_its_top_does_not_give_up():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["said"]["prerun_gave_up"] == "none", done.stdout
+
+
+# ------------------------------------------------------------------------------------------ the pool
+class _Events:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, int, dict]] = []
+
+    def emit(self, event: str, message: str = "", *, level: int = logging.INFO, **fields: object) -> dict:
+        self.got.append((event, level, dict(fields, msg=message)))
+        return {}
+
+    def named(self, event: str) -> list[tuple[str, int, dict]]:
+        return [e for e in self.got if e[0] == event]
+
+
+class _Spawner:
+    """Forks `sleep` processes as standbys; keeps the standby's end of each socket to speak for it."""
+
+    def __init__(self) -> None:
+        self.forks: list[dict] = []
+
+    def check_ready(self) -> bool:
+        return True
+
+    def fork_standby(self, slot: int, slot_dir: object = None, cuda_visible: object = None,
+                     prerun: object = None) -> tuple:
+        import socket
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.forks.append({"slot": slot, "prerun": prerun, "proc": proc, "end": theirs})
+        return proc.pid, ours
+
+
+def _pool(per_slot: int = 1, nproc: int = 1):
+    from types import SimpleNamespace
+
+    from hyperpodrun.agent.workers.standby import StandbyPool
+    reaped: list[tuple[str, int]] = []
+    sup = SimpleNamespace(track_extra=lambda pid: None, untrack_extra=lambda pid: None,
+                          reaper=SimpleNamespace(add=lambda sid: reaped.append(("add", sid)),
+                                                 remove=lambda sid: reaped.append(("del", sid))),
+                          adopt=lambda lr, rank, gen, process, source: ("adopted", rank, process.pid, source))
+    spawner, events = _Spawner(), _Events()
+    spec = {"argv": ["train.py"], "env": prerun.ahead_env(WORKER_ENV), "cwd": "/"}
+    pool = StandbyPool(sup, events, SimpleNamespace(spawner=spawner), per_slot, nproc,  # type: ignore[arg-type]
+                       {"CUDA_VISIBLE_DEVICES": WORKER_ENV["CUDA_VISIBLE_DEVICES"]},
+                       prerun_for=lambda lr: spec)
+    return pool, spawner, events, reaped
+
+
+def _req(env: dict):
+    from hyperpodrun.agent.ports import SpawnRequest
+    return SpawnRequest(local_rank=0, rank=int(env["RANK"]), generation=1, argv=["python", "-u", "train.py"],
+                        env=env, stdout=None, stderr=None)
+
+
+def _reap(fork: dict) -> None:
+    fork["proc"].kill()
+    fork["proc"].wait()
+
+
+def test_a_give_up_is_said_once_is_no_lost_standby_and_the_next_standby_waits_before_the_script():
+    pool, spawner, events, reaped = _pool()
+    try:
+        pool.poll()
+        first = spawner.forks[0]
+        assert first["prerun"]["env"] == prerun.ahead_env(WORKER_ENV) and ("add", first["proc"].pid) in reaped
+        first["end"].send(json.dumps({"prerun_gave_up": "it read RANK before its HPWrapper function (at t.py:1)"})
+                          .encode())
+        first["end"].close()
+        first["proc"].terminate()
+        first["proc"].wait()   # it exits (poll reads its last words after the exit, as a fast exit would leave them)
+        pool.poll()
+        said = events.named("standby_prerun")
+        assert len(said) == 1 and said[0][1] == logging.INFO and "t.py:1" in said[0][2]["why"], events.got
+        assert not events.named("standby_lost")
+        assert ("del", first["proc"].pid) in reaped
+        assert len(spawner.forks) == 2 and spawner.forks[1]["prerun"] is None   # replaced at once, waiting before
+    finally:
+        for fork in spawner.forks:
+            _reap(fork)
+
+
+def test_a_parked_standby_serves_a_rank_of_its_slot_only_with_the_environment_it_ran_with():
+    pool, spawner, events, reaped = _pool()
+    try:
+        pool.poll()
+        first = spawner.forks[0]
+        first["end"].send(json.dumps({"ready": True, "prerun": {"function": "main", "prerun_s": 1.5}}).encode())
+        pool.poll()
+        ready = events.named("standby_ready")
+        assert ready and ready[0][2]["prerun"] and "run ahead to main" in ready[0][2]["msg"]
+        moved = pool.spawn(_req(dict(WORKER_ENV, OMP_NUM_THREADS="8")))
+        assert moved is None and "OMP_NUM_THREADS" in events.named("standby_unused")[-1][2]["why"]
+        first["proc"].wait()   # killed with its process group, not handed a rank
+        assert ("del", first["proc"].pid) in reaped
+        pool.poll()            # its replacement runs the script ahead again
+        second = spawner.forks[1]
+        assert second["prerun"] is not None
+        second["end"].send(json.dumps({"ready": True, "prerun": {"function": "main", "prerun_s": 1.0}}).encode())
+        pool.poll()
+        second["end"].send(b'{"ok": true}')   # its answer to the rank it is sent (read after the send)
+        got = pool.spawn(_req(dict(WORKER_ENV, RANK="2", MASTER_PORT="999", HYPERPODRUN_GENERATION="1")))
+        assert got == ("adopted", 2, second["proc"].pid, "standby")
+        import socket
+        task, fds, _, _ = socket.recv_fds(second["end"], 1 << 20, 2)
+        for fd in fds:
+            os.close(fd)
+        assert json.loads(task)["env"]["RANK"] == "2"
+        assert ("del", second["proc"].pid) not in reaped   # the supervisor's worker now
+    finally:
+        for fork in spawner.forks:
+            _reap(fork)
