@@ -122,9 +122,9 @@ class StandbyPool:
             while len(items) < self.per_slot and now >= self._next_fork[slot]:
                 cuda = self.cuda_for(slot) if self.cuda_for is not None else None
                 ahead = self.prerun_for(slot) if self.prerun_for is not None and self.prerun.on else None
+                extra: dict[str, Any] = {"prerun": ahead} if ahead is not None else {}
                 try:
-                    pid, chan = spawner.fork_standby(slot, slot_dir=self.slot_dir_for(slot), cuda_visible=cuda,
-                                                     **({"prerun": ahead} if ahead is not None else {}))
+                    pid, chan = spawner.fork_standby(slot, slot_dir=self.slot_dir_for(slot), cuda_visible=cuda, **extra)
                 except warm_spawner.WarmSpawnError as exc:
                     log.info("no standby for local rank %d for now: %s", slot, exc)
                     self._next_fork[slot] = now + self._backoff[slot]
