@@ -3,7 +3,9 @@ DDP on gloo under --inprocess-restart with one standby per local rank, the model
 (tests/scripts/ckpt_worker.py, BUILD_OUTSIDE=1). A SIGKILLed rank is replaced by its slot's standby, which ran the
 script's top before the fault and not again after it; the job goes on from the committed step and ends bitwise
 equal to the fault-free run. A script that reads RANK at its top is not run ahead (one line says why) and still
-ends exact; `--standby-prerun off` behaves as before (the standby runs the script after the fault)."""
+ends exact; `--standby-prerun off` behaves as before (the standby runs the script after the fault). The same with
+Lightning (tests/scripts/lightning_worker.py, MODEL_OUTSIDE=1: the LightningModule built at the top, the Trainer
+inside the function): the standby builds the module ahead and the run ends bitwise equal to the fault-free one."""
 from __future__ import annotations
 
 import os
@@ -23,15 +25,21 @@ FAULT_STEP = 4
 BASE_ENV = {"MODE": "ddp", "BUILD_OUTSIDE": "1", "STEPS": "8", "DIM": "64"}
 
 
-def run(tmp_path, name: str, worker_env: dict, flags: tuple = (), started=None,
-        timeout: float = 300) -> tuple[int, str, str]:
-    """`ckpt_worker.py` on NPROC ranks under `hyperpodrun --inprocess-restart`: (exit code, OUT_DIR, agent's stderr)."""
+LIGHTNING = os.path.join(os.path.dirname(WORKER), "lightning_worker.py")
+LIGHTNING_ENV = {"MODEL_OUTSIDE": "1", "STEPS": "12"}
+
+
+def run(tmp_path, name: str, worker_env: dict, flags: tuple = (), started=None, timeout: float = 300,
+        worker: str = WORKER) -> tuple[int, str, str]:
+    """`worker` (ckpt_worker.py with BASE_ENV, or lightning_worker.py with LIGHTNING_ENV) on NPROC ranks under
+    `hyperpodrun --inprocess-restart`: (exit code, OUT_DIR, agent's stderr)."""
     out = tmp_path / name
     out.mkdir()
-    env = dict(os.environ, OUT_DIR=str(out), HYPERPODRUN_SHM_DIR=str(tmp_path / "shm"), **BASE_ENV, **worker_env)
+    base = BASE_ENV if worker == WORKER else dict(LIGHTNING_ENV, CACHE_DIR=str(tmp_path / f"cache-{name}"))
+    env = dict(os.environ, OUT_DIR=str(out), HYPERPODRUN_SHM_DIR=str(tmp_path / "shm"), **base, **worker_env)
     cmd = [HYPERPODRUN, "--nproc-per-node", str(NPROC), "--inprocess-restart", "--heartbeat-interval", "0.5",
-           "--heartbeat-timeout", "10", "--inprocess-timeout", "60", "--log-dir", str(tmp_path / f"logs-{name}"),
-           "--rdzv-id", name, *flags, WORKER]
+           "--heartbeat-timeout", "10", "--inprocess-timeout", "90", "--log-dir", str(tmp_path / f"logs-{name}"),
+           "--rdzv-id", name, *flags, worker]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     if started is not None:
         started(proc)
@@ -52,7 +60,8 @@ def fault_free(tmp_path_factory) -> str:
     return out
 
 
-def killed_job(tmp_path, name: str, flags: tuple, extra: dict, prerun: bool) -> tuple[str, str, dict]:
+def killed_job(tmp_path, name: str, flags: tuple, extra: dict, prerun: bool,
+               worker: str = WORKER) -> tuple[str, str, dict]:
     """The job with rank VICTIM SIGKILLed at the top of step FAULT_STEP, once every local rank has a ready standby
     (`prerun`: one that ran the script ahead): (OUT_DIR, the agent's stderr, what the driver saw)."""
     out = tmp_path / name
@@ -71,7 +80,7 @@ def killed_job(tmp_path, name: str, flags: tuple, extra: dict, prerun: bool) -> 
     driver.start()
     rc, outdir, err = run(tmp_path, name, {"FAULTS": f"kill:{VICTIM}:{FAULT_STEP}:top", "PAUSE_AT": str(FAULT_STEP),
                                            "FAULT_GATE": str(out / "gate"), "PROCESS_LOG": str(out / "processes"),
-                                           **extra}, flags=("--standby-workers", "1", *flags))
+                                           **extra}, flags=("--standby-workers", "1", *flags), worker=worker)
     driver.join(10)
     if "error" in box:
         raise box["error"]
@@ -192,3 +201,38 @@ def test_the_flag_takes_auto_or_off():
                          text=True, timeout=60, env=dict(os.environ, HYPERPODRUN_STANDBY_PRERUN="sometimes"))
     assert res.returncode == 2 and "--standby-prerun" in res.stderr and "sometimes" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.fixture(scope="module")
+def lightning_fault_free(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("prerun-lightning-ref")
+    rc, out, err = run(tmp, "ref", {}, flags=("--standby-workers", "0"), worker=LIGHTNING)
+    assert rc == 0, err[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_a_lightning_module_built_at_the_top_is_built_ahead_by_the_standby(tmp_path, lightning_fault_free):
+    import torch
+
+    from test_lightning import batches
+    out, err, box = killed_job(tmp_path, "lightning", (), {}, prerun=True, worker=LIGHTNING)
+    evs = events(tmp_path, "lightning")
+    assert not [e for e in evs if e["event"] in ("standby_prerun", "standby_lost")], err[-3000:]
+    new = replacement(tmp_path, "lightning")
+    assert new["source"] == "standby" and new["pid"] == box["standbys"][VICTIM], (new, box)
+    log = process_log(out)
+    killed = log.index(next(x for x in log if x[0] == "kill"))
+    imports = [i for i, x in enumerate(log) if x == ("import", str(new["pid"]))]
+    assert len(imports) == 1 and imports[0] < killed, log   # its module was built before the fault, once
+    for rank in range(NPROC):
+        a = torch.load(os.path.join(lightning_fault_free, f"rank{rank}.pt"))
+        b = torch.load(os.path.join(out, f"rank{rank}.pt"))
+        assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"])
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), f"rank {rank}: parameter {k} differs"
+        for pid, st in a["opt"]["state"].items():
+            for n, v in st.items():
+                if torch.is_tensor(v):
+                    assert torch.equal(v, b["opt"]["state"][pid][n]), f"rank {rank}: optimizer {pid}.{n} differs"
+        assert batches(lightning_fault_free, rank) == batches(out, rank), f"rank {rank} trained on other batches"
