@@ -224,16 +224,22 @@ def _touched(key: Any, verb: str) -> None:
 
 def where() -> str:
     """file:line of the first caller outside this module, os and the mapping machinery (what touched a rank's
-    variable)."""
+    variable) and, where that is a library's line, the script's line that led there."""
     skip = (__file__, os.__file__)
-    frame = sys._getframe(1)
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    found: Optional[str] = None
+    frame: Any = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name not in skip and not name.endswith(("_collections_abc.py", "<frozen os>",
-                                                   "<frozen _collections_abc>")):
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back   # type: ignore[assignment]
-    return "?"
+        if found is None and name not in skip and not name.endswith(("_collections_abc.py", "<frozen os>",
+                                                                     "<frozen _collections_abc>")):
+            found = f"{name}:{frame.f_lineno}"
+            if script is None or os.path.abspath(name) == script:
+                return found
+        elif found is not None and os.path.abspath(name) == script:
+            return f"{found}, from {name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return found or "?"
 
 
 def _hook_init_process_group() -> None:

@@ -282,3 +282,15 @@ def test_a_parked_standby_serves_a_rank_of_its_slot_only_with_the_environment_it
     finally:
         for fork in spawner.forks:
             _reap(fork)
+
+
+def test_a_library_that_reads_a_rank_variable_is_named_with_the_script_line_that_called_it(tmp_path):
+    (tmp_path / "somelib.py").write_text("import os\n\n\ndef rank():\n    return os.environ.get('RANK')\n")
+    script = tmp_path / "train.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport somelib\n\nsomelib.rank()\n")
+    action = f"import runpy; sys.argv = [{str(script)!r}]; runpy.run_path({str(script)!r}, run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", GIVE_UP.replace("ACTION", action)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    why = json.loads(done.stdout.strip().splitlines()[-1])["said"]["prerun_gave_up"]
+    assert f"somelib.py:5, from {script}:5)" in why, why
