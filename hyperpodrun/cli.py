@@ -166,6 +166,9 @@ def _print_completion(ctx: click.Context, _param: click.Parameter, shell: Option
       show_default="auto: 1 with --inprocess-restart on a CUDA host, else 0",
       help="Processes started ahead per local rank (torch imported, CUDA context made) that replace a rank "
            "that dies (--inprocess-restart). 0 turns them off.")
+@oopt("--standby-prerun", default="auto", type=click.Choice(["auto", "off"], case_sensitive=False),
+      help="auto: each standby runs the script ahead up to its first HPWrapper call and waits there (a script "
+           "that reads its rank before that call is not run ahead); off: standbys wait before the script.")
 @oopt("--node-timeout", default="5", metavar="SECONDS",
       help="A node whose agent is silent this long is lost (several nodes, --inprocess-restart).")
 @oopt("--replace-timeout", default="120", metavar="SECONDS",

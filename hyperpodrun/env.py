@@ -46,6 +46,17 @@ INPROCESS_NCCL_DEFAULTS = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
 
+#: --standby-prerun: what a standby that runs the script ahead of a fault does not have until it becomes a rank -
+#: the variables that name its place in the job (global rank, node rank, world size), its generation, its store,
+#: its error file and its control channel, all decided when a rank dies. It has the rest of a worker's
+#: environment from the start: the job's (LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID, HYPERPODRUN_RUN_DIR, ...) and its
+#: local rank slot's (LOCAL_RANK, HYPERPODRUN_LOCAL_RANK, CUDA_VISIBLE_DEVICES under --virtual-local-rank) - a
+#: standby only ever becomes a rank of its slot. A script that reads or sets one of these before its first
+#: HPWrapper call is not run ahead (hyperpodrun/runtime/park.py).
+RANK_BOUND_VARS = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                   "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE",
+                   HYPERPODRUN_GENERATION, HYPERPODRUN_CONTROL, HYPERPODRUN_NODE_RANK)
+
 
 @dataclass(frozen=True)
 class WorkerIdentity:

@@ -10,11 +10,11 @@ import logging
 import os
 import signal
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from hyperpodrun import safe_fs
 from hyperpodrun.launch import settings
-from hyperpodrun.agent.workers import warm_spawner
+from hyperpodrun.agent.workers import prerun, warm_spawner
 from hyperpodrun.agent.ports import Events, RendezvousInfo, SpawnRequest, WorkerSource
 from hyperpodrun.agent.workers.sources import ColdSpawn, WarmFork
 from hyperpodrun.agent.workers.standby import StandbyPool
@@ -106,7 +106,8 @@ class WorkerLauncher:
         if standby is not None:        # started while this agent waited as a hot spare: its imports are done
             self.warm.spawner = standby
         self.standbys = StandbyPool(sup, events, self.warm, cfg.standby_workers, cfg.nproc_per_node, self.base_env,
-                                    self.slot_dir, cuda_for=self._standby_cuda if cfg.virtual_local_rank else None)
+                                    self.slot_dir, cuda_for=self._standby_cuda if cfg.virtual_local_rank else None,
+                                    prerun_for=self.prerun_spec if cfg.standby_prerun == "auto" else None)
         # tried first for a respawn, in this order
         self.fast: list[WorkerSource] = [self.standbys, self.warm] if cfg.standby_workers else [self.warm]
         self._say_standbys()
@@ -126,6 +127,8 @@ class WorkerLauncher:
             why += "; none will start: warm respawns are off here (HYPERPODRUN_WARM_RESPAWN, or no subreaper)"
         elif not n and cfg.standby_auto:
             why += "; --standby-workers N starts them anyway"
+        elif n and cfg.standby_prerun == "auto":
+            why += "; each runs the script ahead to its first HPWrapper call (--standby-prerun auto)"
         self.events.emit("standby_workers", f"standby workers: {f'{n} per local rank' if n else 'off'} ({why})",
                          per_local_rank=n, auto=cfg.standby_auto is not None)
 
@@ -203,6 +206,25 @@ class WorkerLauncher:
             to_file, teed = STD_ALL, 0                  # filtered out of the console, still kept in files
         return to_file, teed
 
+    def worker_env(self, local_rank: int, generation: int, store_port: int, error_file: str) -> dict[str, str]:
+        """The whole environment of local rank `local_rank`'s worker in `generation`."""
+        env = worker_env(self.base_env, self.identity(local_rank), master_addr=self.store_addr(generation),
+                         master_port=store_port, generation=generation, max_restarts=self.cfg.max_restarts,
+                         run_id=self.rdzv.run_id, error_file=error_file, run_dir=self.run_dir, host=self.host,
+                         control=self.control, inprocess=self.cfg.inprocess_restart,
+                         heartbeat_interval=self.cfg.heartbeat_interval)
+        if self.env_for is not None:
+            env.update(self.env_for(local_rank))
+        if self.cfg.virtual_local_rank:   # after the GPU map's: a rank moved to a spare GPU gets that one
+            env.update(self._virtual(env, local_rank))
+        return env
+
+    def prerun_spec(self, local_rank: int) -> dict[str, Any]:
+        """What a standby of `local_rank` runs the script ahead with (--standby-prerun, agent/workers/prerun.py):
+        the worker's argv and directory, its environment without the variables that name a rank."""
+        env = prerun.ahead_env(self.worker_env(local_rank, 0, 0, ""))
+        return {"argv": self.argv[2:], "env": env, "cwd": os.getcwd()}
+
     def spawn(self, local_rank: int, generation: int, store_port: int, warm: bool = False) -> WorkerProcess:
         """Start local rank `local_rank` for `generation`; `warm`: fork it from the warm spawner when it can."""
         who = self.identity(local_rank)
@@ -219,14 +241,7 @@ class WorkerLauncher:
             to_file = 0
         out = os.path.join(rank_dir, "stdout.log") if to_file & STD_OUT else None
         err = os.path.join(rank_dir, "stderr.log") if to_file & STD_ERR else None
-        env = worker_env(self.base_env, who, master_addr=self.store_addr(generation), master_port=store_port,
-                         generation=generation, max_restarts=self.cfg.max_restarts, run_id=self.rdzv.run_id,
-                         error_file=error_file, run_dir=self.run_dir, host=self.host, control=self.control,
-                         inprocess=self.cfg.inprocess_restart, heartbeat_interval=self.cfg.heartbeat_interval)
-        if self.env_for is not None:
-            env.update(self.env_for(local_rank))
-        if self.cfg.virtual_local_rank:   # after the GPU map's: a rank moved to a spare GPU gets that one
-            env.update(self._virtual(env, local_rank))
+        env = self.worker_env(local_rank, generation, store_port, error_file)
         # each stream that is kept in a file or teed is a pipe the agent drains (agent/workers/tee.py); one that is
         # neither goes straight to the agent's console (None: inherited)
         prefix = self.console_prefix(local_rank)

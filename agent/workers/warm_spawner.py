@@ -101,11 +101,13 @@ class WarmSpawner:
         return int(reply["pid"])
 
     def fork_standby(self, local_rank: int, timeout: float = 5.0, slot_dir: Optional[str] = None,
-                     cuda_visible: Optional[str] = None) -> tuple[int, socket.socket]:
+                     cuda_visible: Optional[str] = None,
+                     prerun: Optional[dict[str, Any]] = None) -> tuple[int, socket.socket]:
         """Fork a standby for `local_rank` (agent/workers/standby.py): (its pid, the agent's end of its socket, on which
         it reports ready and receives the rank it becomes); `slot_dir`: where that rank's snapshot slots will
         be, for the standby to map and pin ahead; `cuda_visible`: the CUDA_VISIBLE_DEVICES its rank will have, where
-        not the zygote's (--virtual-local-rank). Raises WarmSpawnError."""
+        not the zygote's (--virtual-local-rank); `prerun`: {argv, env, cwd} to run the script ahead with, up to its
+        first HPWrapper call (--standby-prerun, agent/workers/prerun.py). Raises WarmSpawnError."""
         if not self.check_ready():
             raise WarmSpawnError("the warm spawner is not ready (still importing, or gone)")
         from hyperpodrun.launch import settings
@@ -113,7 +115,8 @@ class WarmSpawner:
         try:
             socket.send_fds(self._sock, [json.dumps({"standby": True, "local_rank": local_rank,
                                                    "slot_dir": slot_dir, "cuda_visible": cuda_visible,
-                                                   "kernel_warm": settings.current().standby_kernel_warm}).encode()],
+                                                   "kernel_warm": settings.current().standby_kernel_warm,
+                                                   **({"prerun": prerun} if prerun else {})}).encode()],
                             [theirs.fileno()])
             r, _, _ = select.select([self._sock], [], [], timeout)
             msg = self._sock.recv(1 << 16) if r else b""

@@ -9,12 +9,14 @@ re-parented to the agent (a subreaper) when the middle process exits, so the age
 worker. The worker gets its own session, the request's environment, directory and descriptors, and runs the
 script as `python -u script args` would, in a process that has the imports done already. A request
 {"standby": true, "local_rank": k} with one descriptor - the standby's own socket - forks a standby instead
-(`stand_by`): it makes its GPU's CUDA context and waits on that socket for the rank it becomes. EOF on the
-socket (the agent is gone or done) ends this process.
+(`stand_by`): it makes its GPU's CUDA context and waits on that socket for the rank it becomes; with
+"prerun": {argv, env, cwd} (--standby-prerun) it runs the script up to its first HPWrapper call and waits there
+instead (`run_ahead`, agent/workers/prerun.py). EOF on the socket (the agent is gone or done) ends this process.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import json
 import logging
@@ -132,6 +134,23 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
     one, report {"ready": true} on the standby's own socket, then wait there for the rank to become - a
     request like the zygote's, answered {"ok": true} - and return it; None at EOF (not needed any more)."""
     chan = socket.socket(fileno=chan_fd)
+    info, slot_dir = prepare(req)
+    return await_rank(chan, info, slot_dir)
+
+
+def run_ahead(req: dict[str, Any], chan_fd: int) -> None:
+    """A standby that runs the script ahead (--standby-prerun, agent/workers/prerun.py): its CUDA context as
+    `stand_by` makes it, then the script up to its first HPWrapper call, where it reports ready and waits
+    (`await_rank`, called by hyperpodrun/runtime/park.py). Returns in the rank it became, once the script ended."""
+    from hyperpodrun.agent.workers import prerun
+    chan = socket.socket(fileno=chan_fd)
+    info, slot_dir = prepare(req)
+    prerun.run_ahead(req["prerun"], chan, functools.partial(await_rank, chan, info, slot_dir))
+
+
+def prepare(req: dict[str, Any]) -> tuple[dict[str, Any], Optional[str]]:
+    """A standby's preparation before it is ready: its GPU's CUDA context and NCCL's start where there is one.
+    Returns (its ready report, the slot directory to pin while it waits, where it has a GPU)."""
     info: dict[str, Any] = {"ready": True, "pid": os.getpid(), "cuda": False}
     slot_dir: Optional[str] = None
     if req.get("cuda_visible") is not None:   # --virtual-local-rank: its rank's one GPU, set before CUDA starts
@@ -149,10 +168,17 @@ def stand_by(req: dict[str, Any], chan_fd: int) -> Optional[tuple[dict[str, Any]
             slot_dir = req.get("slot_dir")
     except Exception as exc:   # no usable GPU here: a standby still saves the fork and the imports
         info["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    return info, slot_dir
+
+
+def await_rank(chan: socket.socket, info: dict[str, Any], slot_dir: Optional[str],
+               extra: Optional[dict[str, Any]] = None) -> Optional[tuple[dict[str, Any], list[int]]]:
+    """Report ready (`info`, with `extra`), warm the kernels and pin the slots while waiting, then take the rank
+    to become - (its request, its stdout and stderr descriptors), acknowledged {"ok": true} - or None at EOF."""
     prepinner = None
     taken = threading.Event()
     try:
-        chan.send(json.dumps(info).encode())
+        chan.send(json.dumps({**info, **(extra or {})}).encode())
         if info.get("kernel_warm") == "background":   # after ready: a rank dying meanwhile is taken over at once
             threading.Thread(target=warm_kernels, args=(info["device"], taken.is_set), daemon=True,
                              name="hyperpodrun-kernel-warm").start()
@@ -259,6 +285,9 @@ def main() -> None:
     sock.send(json.dumps({"ready": True, "import_s": round(time.monotonic() - t0, 3), "failed": failed}).encode())
     task = serve(sock)
     if task is None:
+        return
+    if task[0].get("prerun"):        # a standby that runs the script ahead: returns once it became a rank and
+        run_ahead(task[0], task[1][0])   # the script ended (or ends this process when it cannot run ahead)
         return
     if task[0].get("standby"):
         task = stand_by(task[0], task[1][0])

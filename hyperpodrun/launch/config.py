@@ -25,8 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from hyperpodrun.env import virtual_device
 from hyperpodrun.errors import ConfigError
 from hyperpodrun.launch.flag_syntax import (STD_ALL, STD_ERR, STD_NONE, STD_OUT, as_bool, node_rank_from, parse_conf,
-                                            parse_endpoint,
-                                            parse_filters, parse_nnodes, parse_rank_list, parse_signal,
+                                            parse_endpoint, parse_filters, parse_nnodes, parse_rank_list, parse_signal,
                                             parse_signal_list, parse_std_map, refuse_unsupported, split_args)
 from hyperpodrun.launch.bounds import (  # noqa: F401 (re-exported)
     MAX_NPROC_PER_NODE, MAX_NNODES, MAX_COUNT, MAX_TIMEOUT_S, MIN_INTERVAL_S, MAX_INTERVAL_S,
@@ -224,6 +223,7 @@ class LaunchConfig(BaseModel):
     # standby_auto: why auto gave this count (None: a number was given)
     standby_workers: int = Field(0, ge=0, le=8)
     standby_auto: Optional[str] = None
+    standby_prerun: Literal["auto", "off"] = "auto"   # standbys run the script ahead (agent/workers/prerun.py)
     # node membership (agent/coordination/membership.py): a node whose agent is silent this long is lost; a lost node's
     # replacement (the same command started again) is awaited this long
     node_timeout: float = Field(DEFAULT_NODE_TIMEOUT_S, ge=MIN_NODE_TIMEOUT_S, le=MAX_TIMEOUT_S, allow_inf_nan=False)

@@ -31,7 +31,7 @@ from hyperpodrun.errors import (EXIT_USAGE, EXIT_WORKER_UNHEALTHY, USAGE_ERRORS,
 from hyperpodrun.usage_exit import one_line
 from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, CheckpointlessFinalizeCleanup,
                                        mark_generation_start, release_parked)
-from hyperpodrun.runtime import group_hook
+from hyperpodrun.runtime import group_hook, park
 from hyperpodrun.runtime.health import CudaHealthCheck
 from hyperpodrun.runtime.interrupt import RestartInterrupt
 from hyperpodrun.runtime.session import Session
@@ -179,6 +179,8 @@ class HPWrapper:
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             kwargs.pop("caller", None)
+            if park.prerunning():   # a standby running the script ahead: here it waits to become a rank
+                park.park(getattr(fn, "__qualname__", repr(fn)))
             if not inprocess_enabled():
                 caller = CallWrapper(E.worker_context().restart_count)
                 return fn(*args, caller=caller, **kwargs)

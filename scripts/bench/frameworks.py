@@ -5,9 +5,13 @@ Each row is the same training script, scripts/bench/workers/framework_worker.py 
 is written: `none` HPWrapper only, `outside` the callback with the module built once outside the wrapped
 function, `inside` the callback with the module built inside it - the README's pattern -, `torchrun` plain torchrun
 with the framework's checkpoints every --ckpt-every steps), run as its own job. The hyperpodrun rows get the
-launcher's default flags for `--inprocess-restart` (on a GPU host that includes one standby per local rank);
-`--standby-workers 0` rows are added with --no-standby. Faults as in state_tier.py: an exception (`raise`) or a
-SIGKILL (`kill`) between backward and the optimizer step.
+launcher's default flags for `--inprocess-restart`; a SIGKILL job also gets `--standby-workers 1
+--standby-prerun auto` (this script's --standby-prerun: with auto the standby runs the script ahead to the
+wrapped function, so that the `none` and `outside` rows' module is built before the kill; the worker's top reads
+no rank for that), and `--standby-workers 0` rows are added with --no-standby. Faults as in state_tier.py: an exception (`raise`) or a
+SIGKILL (`kill`) between backward and the optimizer step. "killed rank from" says what served each killed rank:
+a standby that ran the script ahead (`standby, ran ahead`), one that waited before it, a warm fork or a cold
+start - and why the standbys did not run it ahead, where they gave up.
 
 Measured per job (state_tier.py's analysis of the worker's records): fault -> first completed step (median,
 min-max), split into fault -> the function entered again, -> training started (after the callback's restore),
@@ -28,6 +32,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -57,7 +62,8 @@ def command(fw: str, row: str, kind: str, a: argparse.Namespace, out: Path, logs
                 str(a.faults), "--monitor-interval", "0.1", *worker]
     if kind == "kill":
         worker.append("--gate")
-    extra = [] if standby else ["--standby-workers", "0"]
+    extra = ["--standby-workers", "0"] if not standby else \
+        ["--standby-workers", "1", "--standby-prerun", a.standby_prerun] if kind == "kill" else []
     return [find_launcher("hyperpodrun"), "--nproc_per_node", str(a.nproc), "--inprocess-restart", *extra,
             "--log-dir", str(logs), "--rdzv-id", "job", "--master-port", str(st.free_port()), *worker]
 
@@ -66,6 +72,18 @@ def construction(jobdir: Path) -> Optional[float]:
     """The median seconds of the model's construction in this job (the worker's `built` records)."""
     took = [r["s"] for r in st.read_records(jobdir / "records") if r["ev"] == "built" and "s" in r]
     return statistics.median(took) if took else None
+
+
+def served(jobdir: Path) -> dict[str, Any]:
+    """What served each killed rank of a job - a standby that ran the script ahead (--standby-prerun), a standby
+    that waited before it, a warm fork, a cold start - and why the standbys gave up running it ahead, if they did
+    (the launcher's events)."""
+    ev = st.read_events(jobdir / "logs")
+    ahead = {e.get("pid") for e in ev if e.get("event") == "standby_ready" and e.get("prerun")}
+    by = Counter("standby, ran ahead" if e.get("pid") in ahead else str(e.get("source")) for e in ev
+                 if e.get("event") == "worker_start" and e.get("generation", 0) > 0)
+    return {"killed_rank_from": dict(by),
+            "prerun_gave_up": next((e.get("why") for e in ev if e.get("event") == "standby_prerun"), None)}
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -78,22 +96,26 @@ def table(summary: dict[str, Any]) -> str:
              "framework, same fault kind, same invocation).", ""]
     for fw, jobs in summary["frameworks"].items():
         lines += [f"## {fw}", "", "| row | fault | faults | fault -> first step | -> entered again | -> training "
-                  "(restored) | first step | retrained | restored_from | steady step | vs none | build |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "(restored) | first step | retrained | restored_from | steady step | vs none | build | "
+                  "killed rank from |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for j in jobs:
             label = f"{j['label']}: {LABELS[j['row']]}"
             if j.get("skipped"):
-                lines.append(f"| {label} | {j['kind']} | skipped: {j['skipped']} |" + " |" * 9)
+                lines.append(f"| {label} | {j['kind']} | skipped: {j['skipped']} |" + " |" * 10)
                 continue
             got = sum(1 for f in j["faults"] if f["fault_to_first_s"] is not None)
             status = "" if j["ok"] else f" (exit {j['exit_code']}{', timed out' if j['timed_out'] else ''})"
             rf = ", ".join(f"{k} {v}" for k, v in sorted(j["restored_from"].items())) or "-"
             vs = st.fmt(j.get("steady_vs_none"), 3) + "x" if j.get("steady_vs_none") else "-"
+            from_ = ", ".join(f"{k} {v}" for k, v in sorted((j.get("killed_rank_from") or {}).items())) or "-"
+            if j.get("prerun_gave_up"):
+                from_ += f" (not run ahead: {j['prerun_gave_up']})"
             lines.append(f"| {label} | {j['kind']} | {got}/{j['faults_expected']}{status} | "
                          f"{st.fmt_spread(j['fault_to_first_s'])} | {st.fmt(j['to_enter_s']['median'])} | "
                          f"{st.fmt(j['to_state_s']['median'])} | {st.fmt(j['first_step_s']['median'])} | "
                          f"{','.join(str(x) for x in j['retrained']) or '-'} | {rf} | "
-                         f"{st.fmt(j['steady_step_s'], 4)} | {vs} | {st.fmt(j.get('build_s'), 2)} |")
+                         f"{st.fmt(j['steady_step_s'], 4)} | {vs} | {st.fmt(j.get('build_s'), 2)} | "
+                         f"{from_ if j['kind'] == 'kill' else '-'} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -130,6 +152,9 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--arm-timeout", type=float, default=30.0)
     ap.add_argument("--no-standby", default="", help="rows whose SIGKILL job also runs with --standby-workers 0 "
                     "(e.g. outside)")
+    ap.add_argument("--standby-prerun", default="auto", choices=("auto", "off"),
+                    help="what the SIGKILL jobs' standbys do: run the script ahead to the wrapped function (auto), or "
+                    "wait before it (off)")
     ap.add_argument("--torchrun-kinds", default="raise", help="fault kinds of the torchrun row (every worker "
                     "restarts either way)")
     ap.add_argument("--job-timeout", type=float, default=240.0)
@@ -179,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         return command(fw, row, kind, a, o, logs, standby)
                     res = st.run_job(row, kind, fw, a, jobdir, command=argv_of,
                                      gated=kind == "kill" and row != "torchrun")
-                    res.update(label=label, build_s=construction(jobdir))
+                    res.update(label=label, build_s=construction(jobdir), **served(jobdir))
                     jobs.append(res)
                     write(summary, out)
     finally:

@@ -368,7 +368,9 @@ seq_lightning() {
 # frameworks: scripts/bench/frameworks.py on one GPU, a 0.66 B Llama (bf16-mixed, fused AdamW, 2 DataLoader workers)
 # under Lightning and the Hugging Face Trainer, rows none/outside/inside/torchrun, an exception and a SIGKILL
 # between backward and the optimizer step. FRAMEWORKS (lightning hf), KINDS (raise,kill), ROWS
-# (none,outside,inside,torchrun), FAULTS (3), BUILD (cpu: the module made on the host; device: on the GPU), NO_STANDBY (outside: kill jobs also without standbys), BUDGET (420 s
+# (none,outside,inside,torchrun), FAULTS (3), BUILD (cpu: the module made on the host; device: on the GPU), NO_STANDBY
+# (outside: those rows' kill jobs also without standbys; set but empty: none), PRERUN (auto: every other kill job's
+# standby runs the script ahead to the wrapped function, --standby-prerun auto; off: it waits before it), BUDGET (420 s
 # per framework), JOB_TIMEOUT (150 s), BENCH_DIR (/tmp/hpr-frameworks). What comes back: machine.txt,
 # frameworks_<fw>.md and .json, frameworks.log, frameworks_raw.tar.gz.
 seq_frameworks() {
@@ -380,7 +382,7 @@ seq_frameworks() {
       echo "== $fw $(date +%T)"
       x timeout -s TERM -k 25 $((${BUDGET:-420} + 200)) python3 scripts/bench/frameworks.py --size 0.6b \
         --frameworks "$fw" --kinds "${KINDS:-raise,kill}" --rows "${ROWS:-none,outside,inside,torchrun}" \
-        --faults "${FAULTS:-3}" --build "${BUILD:-cpu}" --no-standby "${NO_STANDBY:-outside}" --job-timeout "${JOB_TIMEOUT:-150}" \
+        --faults "${FAULTS:-3}" --build "${BUILD:-cpu}" --no-standby "${NO_STANDBY-outside}" --standby-prerun "${PRERUN:-auto}" --job-timeout "${JOB_TIMEOUT:-150}" \
         --budget "${BUDGET:-420}" --arm-timeout 10 --out "$W/$fw"
       echo "== $fw rc=$? $(date +%T)"
       x cp "$W/$fw/table.md" "$OUT/frameworks_$fw.md" 2>/dev/null

@@ -11,6 +11,10 @@ FORGE_INVENTORY=rank:generation: that rank's restore inventory in that generatio
 _forge_inventory).
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt; DUMP_PARAMS=1: rank 0 also
 writes its model after every step to OUT_DIR/params.step<s>.pt. FALLBACK_DIR / FALLBACK_EVERY: the durable tier.
+PROCESS_LOG=path: the script's top appends `import <pid>` there (and prints `imported in <pid>`), a SIGKILL fault
+`kill <pid>` just before it - the order of a standby's run ahead (--standby-prerun) and the fault; IMPORT_CHILD=1:
+the top also starts a child process (`child <pid> <parent>`) that must not outlive the job; READ_RANK_AT_IMPORT=1:
+the top reads RANK (a script a standby cannot run ahead).
 """
 import datetime
 import gc
@@ -24,6 +28,24 @@ import torch.nn as nn
 
 from hyperpodrun import CheckpointlessFinalizeCleanup, CheckpointManager, HPWrapper
 
+PROCESS_LOG = os.environ.get("PROCESS_LOG")
+
+
+def _process_log(line: str) -> None:
+    if PROCESS_LOG:
+        with open(PROCESS_LOG, "a") as fh:
+            fh.write(line + "\n")
+
+
+_process_log(f"import {os.getpid()}")
+if PROCESS_LOG:
+    print(f"imported in {os.getpid()}", flush=True)
+if os.environ.get("IMPORT_CHILD") == "1":
+    import subprocess
+    _child = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+    _process_log(f"child {_child.pid} {os.getpid()}")
+if os.environ.get("READ_RANK_AT_IMPORT") == "1":
+    IMPORT_RANK = os.environ.get("RANK")
 MODE = os.environ.get("MODE", "allreduce")
 STEPS = int(os.environ.get("STEPS", "12"))
 OUT_DIR = os.environ["OUT_DIR"]
@@ -82,6 +104,7 @@ def maybe_fault(where, step, rank, generation):
                     time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "kill":
+                _process_log(f"kill {os.getpid()}")
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "rot-kill":   # a byte of the rank's newest sealed slot goes bad, then the rank dies
                 _rot_newest_slot()

@@ -10,6 +10,10 @@ top, in training_step | prestep, between backward and the optimizer step; step: 
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt; OUT_DIR/batches<r>.txt
 has a line (batch number, digest, time, generation) for every batch trained on, OUT_DIR/faults.txt one per
 fault fired.
+The script's top reads no variable that names a rank (RANK is read when `main` is entered), so that a standby of
+`--standby-prerun auto` runs it ahead - with MODEL_OUTSIDE=1 the LightningModule is built there. FAULT_GATE=path: a
+due fault first waits until that file exists; PROCESS_LOG=path: the top appends `import <pid>` there, a SIGKILL
+fault `kill <pid>` (tests/test_standby_prerun.py).
 """
 import hashlib
 import os
@@ -33,7 +37,17 @@ STEPS = int(os.environ.get("STEPS", "26"))
 ACCUM = int(os.environ.get("ACCUM", "1"))
 OUT_DIR = os.environ["OUT_DIR"]
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(";") if f]
-RANK = int(os.environ["RANK"])
+RANK = -1   # read when main() is entered: a standby may run this top ahead, before it has a rank
+PROCESS_LOG = os.environ.get("PROCESS_LOG")
+
+
+def _process_log(line: str) -> None:
+    if PROCESS_LOG:
+        with open(PROCESS_LOG, "a") as fh:
+            fh.write(line + "\n")
+
+
+_process_log(f"import {os.getpid()}")
 ACCEL = os.environ.get("ACCEL", "cpu")   # cpu (gloo) or gpu (NCCL)
 SAMPLER = os.environ.get("SAMPLER", "resumable")   # resumable (ResumableSampler) | default (shuffle=True)
 DATA = os.environ.get("DATA", "numbers")   # numbers (sample i from seed i) | drawn (from the global RNG)
@@ -52,9 +66,14 @@ def maybe_fault(where: str, step: int, generation: int) -> None:
                 end = time.monotonic() + 120
                 while time.monotonic() < end and not all(_progress(r) >= target for r in range(world) if r != RANK):
                     time.sleep(0.002)
+            gate = os.environ.get("FAULT_GATE")   # a file the test creates when the fault may fire
+            end = time.monotonic() + 120
+            while gate and not os.path.exists(gate) and time.monotonic() < end:
+                time.sleep(0.02)
             with open(os.path.join(OUT_DIR, "faults.txt"), "a") as f:
                 f.write(f"{RANK} {kind} {step} {time.time()}\n")
             if kind == "kill":
+                _process_log(f"kill {os.getpid()}")
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected {kind} at step {step} ({where})")
 
@@ -150,6 +169,8 @@ OUTSIDE = Net(0) if os.environ.get("MODEL_OUTSIDE") == "1" else None
 
 @HPWrapper(checkpoint_manager=cm)
 def main(caller=None):
+    global RANK
+    RANK = int(os.environ["RANK"])
     trainer = pl.Trainer(accelerator=ACCEL, strategy="ddp", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                          num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
                          max_steps=STEPS, accumulate_grad_batches=ACCUM, deterministic=ACCEL == "cpu",

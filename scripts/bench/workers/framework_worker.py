@@ -30,6 +30,11 @@ Records: the same JSON lines as state_tier_worker.py (top, built, enter, entry, 
 OUT/rank<r>.jsonl, so that state_tier.py's analysis reads them; `entry` is written when the framework starts
 training (after the callback's restore), `step` after the step's save() with the compute stream synchronised;
 also `exc` (the framework's on_exception hook, Lightning only) and `built` per construction (`s`: seconds).
+
+The script's top reads no variable that names a rank (RANK, WORLD_SIZE, ...; LOCAL_RANK, which a standby of that
+local rank has, is read), so that a standby of `--standby-prerun auto` runs it ahead to the wrapped function -
+imports, the module of the `none` and `outside` rows - before a SIGKILL: the rank is read when the function is
+entered (`enter_rank`), and the records of the top (`top`, `built`) wait in memory until then.
 """
 import os
 import time
@@ -58,9 +63,9 @@ _restore_log.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
 logging.getLogger("hyperpodrun.runtime").addHandler(_restore_log)
 logging.getLogger("hyperpodrun.runtime").setLevel(logging.INFO)
 
-RANK = int(os.environ.get("RANK", "0"))
-LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
-WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))   # a standby's too: it only ever becomes a rank of its slot
+RANK: Optional[int] = None   # read when the training function is entered (enter_rank), not at the top
+WORLD = 1
 GENERATION_ENV = "TORCHELASTIC_RESTART_COUNT"
 SIZES = {
     "tiny": {"vocab": 64, "hidden": 32, "mlp": 64, "layers": 2, "heads": 2, "seq": 16, "batch": 4},
@@ -94,13 +99,33 @@ def parse() -> argparse.Namespace:
 
 ARGS = parse()
 _FH: Any = None
+_EARLY: list[dict[str, Any]] = []   # records of the top, until the rank is known
+
+
+def enter_rank() -> None:
+    """The rank is known now (the training function is entered, or torchrun's worker starts): read it and write
+    the records of the script's top to its file."""
+    global RANK, WORLD
+    if RANK is None:
+        RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        for rec in _EARLY:
+            _write(dict(rec, rank=RANK))
+        _EARLY.clear()
 
 
 def note(ev: str, **fields: Any) -> None:
+    rec = {"ev": ev, "rank": RANK, "pid": os.getpid(), "t": time.time(), **fields}
+    if RANK is None:
+        _EARLY.append(rec)
+    else:
+        _write(rec)
+
+
+def _write(rec: dict[str, Any]) -> None:
     global _FH
     if _FH is None:
         _FH = open(os.path.join(ARGS.out, f"rank{RANK}.jsonl"), "a", buffering=1)
-    _FH.write(json.dumps({"ev": ev, "rank": RANK, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
+    _FH.write(json.dumps(rec) + "\n")
     _FH.flush()
 
 
@@ -296,7 +321,6 @@ def release() -> None:
 
 def hyperpodrun_rows() -> None:
     from hyperpodrun import CheckpointManager, HPWrapper, wait_rank
-    wait_rank()
     if CUDA:
         torch.cuda.set_device(LOCAL_RANK)
     cm: Any = CheckpointManager() if ARGS.row != "none" else None
@@ -308,6 +332,8 @@ def hyperpodrun_rows() -> None:
 
     @HPWrapper(checkpoint_manager=cm)
     def main(caller: Any = None) -> None:
+        wait_rank()   # here, not at the top: a standby runs the top ahead, before it has a rank
+        enter_rank()
         gen = caller.iteration
         train_once(gen, cm, kept, caller)
 
@@ -341,6 +367,7 @@ def lightning_module(model: torch.nn.Module) -> Any:
 
 
 def torchrun_row() -> None:
+    enter_rank()
     gen = int(os.environ.get(GENERATION_ENV, "0"))
     if CUDA:
         torch.cuda.set_device(LOCAL_RANK)
