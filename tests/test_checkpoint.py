@@ -50,6 +50,18 @@ def launch(tmp_path, name: str, worker: str, worker_env: dict, timeout: float = 
     return proc.returncode, str(out), stderr.decode()
 
 
+def worker_lines(tmp_path, name: str, words: tuple = ("restor", "slot", "snapshot", "sent", "rank")) -> str:
+    """The lines of every rank's log files that name one of `words`: what a failed assertion shows besides the
+    agent's stderr (which says what the agent saw, not how each rank planned its restore)."""
+    run_dir = tmp_path / f"logs-{name}" / name
+    out = []
+    for f in sorted(run_dir.glob("attempt_*/rank_*/*")):
+        if f.is_file():
+            out += [f"{f.parent.name}: {line}" for line in f.read_text(errors="replace").splitlines()
+                    if any(w in line for w in words)]
+    return "\n".join(out[-60:])
+
+
 def events(tmp_path, name: str) -> list[dict]:
     run_dir = tmp_path / f"logs-{name}" / name
     recs = []
@@ -183,8 +195,8 @@ def test_a_killed_ranks_rotten_slot_is_caught_after_its_copy_and_the_round_retri
     """A replacement sums its predecessor's newest slot beside copying out of it (not before): a slot whose
     byte went bad after it was sealed is caught when the copy is done, removed, and the generation fails like
     any exception; the next round restores without it (from a DDP replica), and the end is bitwise exact."""
-    rc, out, err = run_job(tmp_path, "rot", "ddp", "rot-kill:1:5:top")
-    assert rc == 0, err[-3000:]
+    rc, out, err = run_job(tmp_path, "rot", "ddp", "rot-kill:1:5:top", extra_env={"LOG_INFO": "1"})
+    assert rc == 0, err[-3000:] + "\n--- the ranks' logs:\n" + worker_lines(tmp_path, "rot")
     rotted = int(open(os.path.join(out, "rotted.rank1")).read())
     assert "checksum mismatch" in err and "the slot was removed" in err, err[-3000:]
     got = restores(out)

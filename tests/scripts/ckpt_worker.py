@@ -11,6 +11,7 @@ FORGE_INVENTORY=rank:generation: that rank's restore inventory in that generatio
 _forge_inventory).
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt; DUMP_PARAMS=1: rank 0 also
 writes its model after every step to OUT_DIR/params.step<s>.pt. FALLBACK_DIR / FALLBACK_EVERY: the durable tier.
+LOG_INFO=1: the runtime logs at INFO into the rank's log (how each restore was planned and served).
 PROCESS_LOG=path: the script's top appends `import <pid>` there (and prints `imported in <pid>`), a SIGKILL fault
 `kill <pid>` just before it - the order of a standby's run ahead (--standby-prerun) and the fault; IMPORT_CHILD=1:
 the top also starts a child process (`child <pid> <parent>`) that must not outlive the job; READ_RANK_AT_IMPORT=1:
@@ -46,6 +47,10 @@ if os.environ.get("IMPORT_CHILD") == "1":
     _process_log(f"child {_child.pid} {os.getpid()}")
 if os.environ.get("READ_RANK_AT_IMPORT") == "1":
     IMPORT_RANK = os.environ.get("RANK")
+if os.environ.get("LOG_INFO") == "1":   # the runtime's restore lines (plan, transfers, sources) in the rank's log
+    import logging
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("hyperpodrun").setLevel(logging.INFO)
 MODE = os.environ.get("MODE", "allreduce")
 STEPS = int(os.environ.get("STEPS", "12"))
 OUT_DIR = os.environ["OUT_DIR"]
