@@ -22,7 +22,6 @@ import logging
 import os
 import runpy
 import socket
-import sys
 import traceback
 from typing import Any, Mapping, Optional
 
@@ -99,13 +98,8 @@ def run_ahead(spec: Mapping[str, Any], chan: socket.socket, await_rank: park.Awa
     log_fd = os.dup(2)
     os.set_inheritable(log_fd, False)
     captured = capture_output()
-    if spec.get("cwd"):
-        os.chdir(spec["cwd"])
-    os.environ.clear()
-    os.environ.update(spec["env"])
-    script = spec["argv"][0]
-    sys.argv = list(spec["argv"])
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    from hyperpodrun.agent.workers.script_entry import enter_script
+    script = enter_script(spec)
     park.arm(park.Prerun(chan, await_rank, dict(spec["env"]), os.getcwd(), captured, log_fd=log_fd))
     try:
         runpy.run_path(script, run_name="__main__")

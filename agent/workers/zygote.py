@@ -261,14 +261,8 @@ def become_worker(req: dict[str, Any], fds: list[int]) -> str:
     for target, fd in zip((1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
-    if req.get("cwd"):
-        os.chdir(req["cwd"])
-    os.environ.clear()
-    os.environ.update(req["env"])
-    script = req["argv"][0]
-    sys.argv = list(req["argv"])
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    return script
+    from hyperpodrun.agent.workers.script_entry import enter_script
+    return enter_script(req)
 
 
 def main() -> None:
