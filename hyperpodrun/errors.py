@@ -149,8 +149,10 @@ class StateMismatchError(HyperpodrunError, KeyError):
     """The state given to `CheckpointManager.restore` has an entry the snapshot does not hold."""
 
 
-class ReplicaLayoutError(HyperpodrunError, ValueError):
-    """The replica layout given to CheckpointManager does not fit the job."""
+class ReplicaLayoutError(ApiValueError):
+    """The replica layout given to CheckpointManager does not fit the job, puts both copies of a shard on one
+    node, or differs from the layout a snapshot was taken under: a usage error (one line, exit code 2), never
+    retried - the next round would meet the same layout."""
 
 
 class SnapshotCorrupt(HyperpodrunError, ValueError):

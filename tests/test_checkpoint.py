@@ -329,6 +329,30 @@ def test_rank_that_lost_its_snapshots_gets_them_from_a_ddp_replica(tmp_path, ref
 
 
 @pytest.mark.slow
+def test_rank_killed_with_its_snapshots_comes_back_from_the_other_optimizer_instance(tmp_path, reference):
+    """num_distributed_optimizer_instances=2 over 4 ranks (gloo): gradients all-reduced over every rank, the
+    Adam state sharded within instances {0,1} and {2,3}, so ranks 1 and 3 hold the same shard. Rank 1 is
+    SIGKILLed together with its snapshots (as when its node's memory goes): its replacement gets its state
+    from rank 3, the other ranks keep their processes, and every rank ends bitwise equal to the fault-free run."""
+    rc, out, err = run_job(tmp_path, "instances", "instances", "wipe-kill:1:4:top",
+                           extra_env={"INSTANCES": "2", "CHECKSUM": "1", "FAULT_AFTER_PEERS_SAVED": "1",
+                                      "STEP_SLEEP": "0.02"})
+    assert rc == 0, err[-3000:] + worker_lines(tmp_path, "instances")
+    restored = [e for e in events(tmp_path, "instances") if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4, restored
+    ref = reference("instances")
+    assert_same(ref, out)
+    how = restores(out)
+    assert how[1][1] == "replica" and all(how[r][1] != "replica" for r in (0, 2, 3)), how
+    # the shards really differ between positions and match across instances (what the replica map relies on)
+    shard = {r: torch.load(os.path.join(ref, f"rank{r}.pt"))["opt"] for r in range(4)}
+    assert set(shard[1]) == set(shard[3]) and set(shard[0]) == set(shard[2]) and set(shard[0]) != set(shard[1])
+    for r in (0, 2, 3):   # a survivor kept its process: one pid in every generation
+        pids = {line.split()[2] for line in open(os.path.join(out, f"entries.rank{r}")).read().splitlines()}
+        assert len(pids) == 1, f"rank {r} was restarted: {pids}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("reuse_live,sent", [("1", "live"), ("0", "slot")])
 def test_rank_that_lost_its_snapshots_gets_a_survivors_live_tensors(tmp_path, reference, reuse_live, sent):
     """Explicit replica group {0,1,2,3} over the hand-written all-reduce loop (every rank holds the same

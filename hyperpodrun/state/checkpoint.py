@@ -68,6 +68,13 @@ class CheckpointManager(Restoring):
         newest complete one. The store is checked here: one that cannot work raises CheckpointStoreError.
     replica_groups / num_distributed_optimizer_instances: ranks that hold identical state (a rank that
         lost its snapshots gets them from a replica peer). Derived from DDP modules when not given.
+    tensor_model_parallel_size / pipeline_model_parallel_size / context_parallel_size / rank_order: the
+        Megatron layout the `num_distributed_optimizer_instances` replica map follows (defaults 1, 1, 1 and
+        Megatron's "tp-cp-ep-dp-pp", the first the fastest): the replicas of a shard are world / (PP * N) ranks
+        apart (hyperpodrun/state/restore/parallel_layout.py). Every snapshot carries the layout's fingerprint; a
+        restore under another layout is refused (ReplicaLayoutError), and so is - once the job has several
+        nodes - a layout that puts both copies of a shard on one node (the message names a rank order that
+        spreads them).
     peer_copy: with several nodes, also copy every slot to a rank on another node (default: on when the
         job spans several nodes), so that the loss of a node does not lose the state of its ranks.
     shm_dir: where the slots live (a tmpfs; default /dev/shm, or HYPERPODRUN_SHM_DIR).

@@ -23,6 +23,7 @@ from hyperpodrun.state.ddp_layout import LayoutKeeper
 from hyperpodrun.state.durable.stores import open_store
 from hyperpodrun.state.durable.tier import DurableTier
 from hyperpodrun.state.restore.peer_copy import PeerCopies, peer_of
+from hyperpodrun.state.restore.parallel_layout import DEFAULT_ORDER, ParallelLayout
 from hyperpodrun.state.live_state import LiveState
 from hyperpodrun.state.snapshot_budget import MAX_INTERVAL, OverheadBudget
 from hyperpodrun.state.state_dicts import tensors_in
@@ -45,7 +46,9 @@ class ManagerCore:
                  shm_dir: Optional[str] = None, replica_groups: Optional[Sequence[Sequence[int]]] = None,
                  num_distributed_optimizer_instances: Optional[int] = None,
                  peer_copy: Optional[bool] = None, reuse_live: bool = True, stage_on_device: Optional[bool] = None,
-                 max_overhead: Optional[float] = 0.02, fallback_keep: int = 2) -> None:
+                 max_overhead: Optional[float] = 0.02, fallback_keep: int = 2,
+                 tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                 context_parallel_size: int = 1, rank_order: str = DEFAULT_ORDER) -> None:
         if replica_groups is not None and num_distributed_optimizer_instances is not None:
             raise ApiValueError("CheckpointManager: give replica_groups= or num_distributed_optimizer_instances=, "
                                 "not both")
@@ -74,6 +77,13 @@ class ManagerCore:
         self.shm_dir = shm_dir or settings.current().shm_dir
         self.replica_groups = [list(g) for g in replica_groups] if replica_groups is not None else None
         self.num_instances = num_distributed_optimizer_instances
+        #: the parallel layout: the replica map of `num_distributed_optimizer_instances` and the fingerprint every
+        #: snapshot carries (a restore under another layout is refused)
+        self.layout = ParallelLayout(num_distributed_optimizer_instances, tensor_model_parallel_size,
+                                     pipeline_model_parallel_size, context_parallel_size, rank_order)
+        self._layout_checked: Optional[int] = None     # the world size the layout was last checked at
+        if os.environ.get("WORLD_SIZE", "").isdigit():  # launched: refuse a layout that cannot work before step 0
+            self._check_layout(int(os.environ["WORLD_SIZE"]))
         self._session: Any = None
         self._caller: Any = None
         self._writer = io.SlotWriter()
@@ -113,6 +123,25 @@ class ManagerCore:
         self._peers: Optional[PeerCopies] = None
         self._exit_hook = False
         self._inflight: Optional[tuple[io.Staged, dict[str, bool]]] = None   # the snapshot being copied
+
+    def _check_layout(self, world: int) -> None:
+        """Refuse (ReplicaLayoutError) a layout that does not fit `world` ranks, or that puts both copies of a
+        shard on one node (a node: LOCAL_WORLD_SIZE consecutive ranks, as hyperpodrun and torchrun number them)."""
+        if self._layout_checked == world:
+            return
+        if self.num_instances is not None or self.layout.tp * self.layout.pp * self.layout.cp > 1:
+            self.layout.data_parallel(world)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if self.num_instances is not None and local.isdigit():
+            self.layout.check_placement(world, int(local))
+        self._layout_checked = world
+
+    def _world(self) -> int:
+        """The job's world size now (the process group's, once there is one)."""
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return int(os.environ.get("WORLD_SIZE", 1))
 
     # ------------------------------------------------------------------ wiring
     @property

@@ -8,9 +8,10 @@ import os
 import time
 from typing import Any, Mapping, Optional
 
-from hyperpodrun.errors import ProtocolError, SnapshotCorrupt, StateLostError, StateMismatchError
+from hyperpodrun.errors import ProtocolError, ReplicaLayoutError, SnapshotCorrupt, StateLostError, StateMismatchError
 from hyperpodrun.state.restore import replicas
 from hyperpodrun.state.restore import wire_auth
+from hyperpodrun.state.restore.parallel_layout import mismatch
 from hyperpodrun.state.slots import snapshot_io as io
 from hyperpodrun.state.slots.slot_verify import VerifyAlongside
 from hyperpodrun.state.slots.pinned_read import DeviceReadable
@@ -30,7 +31,7 @@ class Restoring(Saving):
         if self.replica_groups is not None:
             return replicas.validate_groups(self.replica_groups, world)
         if self.num_instances is not None:
-            return replicas.instance_groups(world, self.num_instances)
+            return self.layout.groups(world)
         return replicas.derived_groups(state, world) or [[r] for r in range(world)]
 
     def restore(self, state: Mapping[str, Any]) -> Optional[int]:
@@ -260,7 +261,7 @@ class Restoring(Saving):
                                    copy=False)
         except SnapshotCorrupt as exc:
             raise StateLostError(f"rank {self.rank}: {exc}; no intact copy of the state at step {step}") from exc
-        self._load(payload, state)
+        self._load(payload, state, same_layout=False)
         for other in [s for s in shm if s != step]:   # the old world's snapshots must not be restored later
             self._drop_slot(shm[other])
         self.last_saved = None
@@ -275,10 +276,16 @@ class Restoring(Saving):
         log.info("restored step %d at world size %d (was %s)", step, world, prev)
         return step
 
-    def _load(self, payload: Mapping[str, Any], state: Mapping[str, Any], non_blocking: bool = False) -> None:
+    def _load(self, payload: Mapping[str, Any], state: Mapping[str, Any], non_blocking: bool = False,
+              same_layout: bool = True) -> None:
         """Put a decoded snapshot into `state`; non_blocking: its tensors are views of a pinned mapping, device
-        copies are queued (the mapping's close() waits for them)."""
+        copies are queued (the mapping's close() waits for them). same_layout: refuse (ReplicaLayoutError) a
+        snapshot taken under another parallel layout (parallel_layout.py) - off only where the world size
+        changed on purpose (_restore_resized, which restores only state every rank holds whole)."""
         import torch
+        refusal = mismatch(payload.get("layout"), self.layout.fingerprint(self._world())) if same_layout else None
+        if refusal is not None:
+            raise ReplicaLayoutError(f"rank {self.rank}: {refusal}")
         for name, obj in state.items():
             if name not in payload["state"]:
                 raise StateMismatchError(f"snapshot has no entry {name!r}; the state dict given to save() and "

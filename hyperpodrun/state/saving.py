@@ -69,8 +69,10 @@ class Saving(ManagerCore):
         began = self._budget.call_started()
         if self._on_gpu is None:
             self._on_gpu = _has_cuda_tensors(state)
+        world = self._world()
+        self._check_layout(world)
         payload: dict[str, Any] = {"step": step, "rng": rng_state(), "state": {},
-                                   "ddp_layouts": self._layouts.collect()}
+                                   "ddp_layouts": self._layouts.collect(), "layout": self.layout.fingerprint(world)}
         self._saved_objects = [weakref.ref(o) for o in state.values() if _weakrefable(o)]
         for name, obj in state.items():
             if hasattr(obj, "state_dict") and callable(obj.state_dict):

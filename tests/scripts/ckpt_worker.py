@@ -1,4 +1,6 @@
-"""Training worker for the checkpointless exactness tests: a hand-written all-reduce loop, DDP or FSDP2.
+"""Training worker for the checkpointless exactness tests: a hand-written all-reduce loop, DDP, FSDP2, DDP with
+ZeRO-1 (zero), or DDP with the Adam state sharded within each of INSTANCES optimizer instances (instances: the
+CheckpointManager's num_distributed_optimizer_instances replica map).
 
 Deterministic (data indexed by step and rank, fixed seeds); saves state after every optimizer step with
 CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-separated list of
@@ -66,7 +68,9 @@ cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        shm_dir=os.environ.get("CKPT_SHM_DIR") or None,   # a place the agent does not know
                        replica_groups=[[int(r) for r in g.split(",")] for g in REPLICAS.split("/")]
                        if REPLICAS else None,
-                       reuse_live=os.environ.get("REUSE_LIVE", "1") != "0")
+                       reuse_live=os.environ.get("REUSE_LIVE", "1") != "0",
+                       num_distributed_optimizer_instances=int(os.environ.get("INSTANCES", "2"))
+                       if MODE == "instances" else None)
 
 
 def maybe_pause(step, rank, generation):
@@ -187,7 +191,7 @@ def bare_model():
 
 def build(rank):
     model = bare_model()
-    if MODE in ("ddp", "zero"):
+    if MODE in ("ddp", "zero", "instances"):
         # small buckets, as a large model has several of the default 25 MB
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
     elif MODE == "fsdp2":
@@ -205,6 +209,15 @@ def build(rank):
     if MODE == "zero":   # ZeRO-1: each rank holds the Adam state of its share of the parameters
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    elif MODE == "instances":
+        # Megatron's partial distributed optimizer: gradients all-reduced over every rank (DDP), the Adam state
+        # sharded within each of INSTANCES contiguous instances - rank p of every instance holds the same shard
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        world, n = dist.get_world_size(), int(os.environ.get("INSTANCES", "2"))
+        size = world // n
+        groups = [dist.new_group(list(range(i * size, (i + 1) * size))) for i in range(n)]
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3,
+                                      process_group=groups[rank // size])
     else:
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     return net, opt
@@ -259,7 +272,7 @@ def main(caller=None):
         if not WRAP_AFTER:
             net = nn.parallel.DistributedDataParallel(bare, bucket_cap_mb=0.1)
     current["params"] = list((bare or net).parameters())
-    if MODE in ("ddp", "zero") and bare is None:
+    if MODE in ("ddp", "zero", "instances") and bare is None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def faulty_allreduce(pg, bucket):   # the default all-reduce, with a fault point inside it
@@ -321,7 +334,9 @@ def main(caller=None):
                 fh.write(f"{step + 1} {caller.iteration} {threads} {fds}\n")
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in net.state_dict().items()}
-    if MODE == "zero":
+    if MODE == "instances":   # each rank's own shard (its replica in the other instance holds the same)
+        osd = opt.optim.state_dict()["state"]
+    elif MODE == "zero":
         opt.consolidate_state_dict(to=0)
         osd = opt.state_dict()["state"] if rank == 0 else {}
     else:

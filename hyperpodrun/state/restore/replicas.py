@@ -12,21 +12,17 @@ import logging
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from hyperpodrun.errors import ReplicaLayoutError
+from hyperpodrun.state.restore.parallel_layout import DEFAULT_ORDER, ParallelLayout
 
 log = logging.getLogger("hyperpodrun.runtime")
 
 
-def instance_groups(world: int, instances: int) -> list[list[int]]:
-    """Replica groups of `instances` distributed-optimizer instances over `world` ranks.
-
-    Instance i holds ranks [i*size, (i+1)*size); rank p of every instance holds the same shard.
-    """
-    if instances < 1 or world % instances:
-        raise ReplicaLayoutError(
-            f"num_distributed_optimizer_instances={instances} does not divide the world size {world}; "
-            "use a divisor of the number of ranks (2 or more for redundancy)")
-    size = world // instances
-    return [[p + i * size for i in range(instances)] for p in range(size)]
+def instance_groups(world: int, instances: int, tp: int = 1, pp: int = 1, cp: int = 1,
+                    order: str = DEFAULT_ORDER) -> list[list[int]]:
+    """Replica groups of `instances` distributed-optimizer instances over `world` ranks in Megatron's layout
+    (parallel_layout.py): with tp = pp = cp = 1, instance i holds ranks [i*size, (i+1)*size) and rank p of
+    every instance holds the same shard; with pipeline stages the replicas are world/(pp*instances) apart."""
+    return ParallelLayout(instances, tp, pp, cp, order).groups(world)
 
 
 def validate_groups(groups: Sequence[Sequence[int]], world: int) -> list[list[int]]:
