@@ -6,7 +6,8 @@ Importing this package is cheap: it loads neither the agent nor Lightning. The r
 The house (docs/ARCHITECTURE.md, "Layout"): here the CLI, the contracts every side shares (env, protocol,
 errors, auth, safe_fs, netaddr, netwatch) and the tools; `launch` (flags -> LaunchConfig), `runtime` (the
 in-process protocol in the workers), `state` (the checkpointless state tier), `data` (the MMAP cache),
-`integrations` (Hugging Face), `agent` (the node agent, from the agent/ folder).
+`integrations` (Hugging Face, the Lightning strategy), `dataloader` / `inprocess` / `nemo_plugins` (the
+product note's module paths, thin aliases), `agent` (the node agent, from the agent/ folder).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ _LAZY = {
     "HPWrapper": "hyperpodrun.runtime.wrapper",
     "CallWrapper": "hyperpodrun.runtime.wrapper",
     "wait_rank": "hyperpodrun.runtime.wrapper",
+    "HPAgentK8sAPIFactory": "hyperpodrun.runtime.agent_channel",
     "CudaHealthCheck": "hyperpodrun.runtime.health",
     "CheckpointlessAbortManager": "hyperpodrun.runtime.abort",
     "CheckpointlessFinalizeCleanup": "hyperpodrun.runtime.abort",
@@ -27,6 +29,7 @@ _LAZY = {
     "HyperpodrunError": "hyperpodrun.errors",
     "StateLostError": "hyperpodrun.errors",
     "CheckpointlessCallback": "hyperpodrun.runtime.lightning_callback",
+    "CheckpointlessMegatronStrategy": "hyperpodrun.integrations.megatron_strategy",
     "CacheResumeMMAPConfig": "hyperpodrun.data",
     "MMAPDataModule": "hyperpodrun.data",
     "MMAPDataLoader": "hyperpodrun.data",

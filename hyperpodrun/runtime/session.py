@@ -32,8 +32,8 @@ class Session:
 
     _instance: ClassVar[Optional["Session"]] = None
 
-    def __init__(self) -> None:
-        from hyperpodrun.runtime.control import ControlClient
+    def __init__(self, channel_factory: Optional[Callable[..., Any]] = None) -> None:
+        from hyperpodrun.runtime.agent_channel import HPAgentK8sAPIFactory
         ctx = E.worker_context()
         if ctx.control is None:
             raise OutOfOrderError("a control session outside --inprocess-restart (no HYPERPODRUN_CONTROL)")
@@ -57,7 +57,8 @@ class Session:
         #: (abort_s, finalize_s, health_s) of the last recovery, reported with READY
         self.timings: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._cv = threading.Condition()
-        self.client = ControlClient(ctx.control, self.rank, ctx.heartbeat_interval, self._on_command, self._status)
+        # the channel to the agent: HPWrapper(hp_api_factory=...)'s factory, by default the agent hyperpodrun gave
+        self.client = (channel_factory or HPAgentK8sAPIFactory())(self.rank, self._on_command, self._status)
         self.client.start(P.Hello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(),
                                   generation=self.generation, **self.device))
 
@@ -67,10 +68,11 @@ class Session:
         self.client.rank = rank
 
     @classmethod
-    def get(cls) -> "Session":
-        """This process's session (a forked child gets its own)."""
+    def get(cls, channel_factory: Optional[Callable[..., Any]] = None) -> "Session":
+        """This process's session (a forked child gets its own); `channel_factory` builds its channel to the
+        agent when the session is made here (HPAgentK8sAPIFactory's signature; default HPAgentK8sAPIFactory())."""
         if cls._instance is None or cls._instance.client.pid != os.getpid():
-            cls._instance = Session()
+            cls._instance = Session(channel_factory)
         return cls._instance
 
     # monitor thread

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 
 from hyperpodrun import env as E
 from hyperpodrun import protocol as P
-from hyperpodrun.errors import (EXIT_USAGE, EXIT_WORKER_UNHEALTHY, USAGE_ERRORS, ApiValueError, HealthCheckError,
-                                RankEnvironmentTimeout, StateLostError, UnsafePathError)
+from hyperpodrun.errors import (EXIT_USAGE, EXIT_WORKER_UNHEALTHY, USAGE_ERRORS, ApiTypeError, ApiValueError,
+                                HealthCheckError, RankEnvironmentTimeout, StateLostError, UnsafePathError)
 from hyperpodrun.usage_exit import one_line
 from hyperpodrun.runtime.abort import (CheckpointlessAbortManager, CheckpointlessFinalizeCleanup,
                                        mark_generation_start, release_parked)
@@ -159,7 +159,9 @@ class HPWrapper:
     without CUDA; abort the process groups; end child processes and collect garbage). abort_timeout: seconds
     abort may take before this process gives up and is replaced. checkpoint_manager: restores state on
     re-entry (see CheckpointManager). fatal_exceptions: exception classes that end the job instead of
-    restarting it. hp_api_factory: accepted for compatibility with the product note's API; it has no effect.
+    restarting it. hp_api_factory: builds this process's channel to its node agent (default
+    HPAgentK8sAPIFactory(), hyperpodrun/runtime/agent_channel.py), used when the function first runs under
+    --inprocess-restart.
     """
 
     def __init__(self, *, health_check: Optional[Callable[[], Any]] = None,
@@ -173,6 +175,10 @@ class HPWrapper:
         self.finalize = finalize if finalize is not None else CheckpointlessFinalizeCleanup()
         self.abort_timeout = abort_timeout
         self.checkpoint_manager = checkpoint_manager
+        if hp_api_factory is not None and not callable(hp_api_factory):
+            raise ApiTypeError(f"HPWrapper(hp_api_factory={hp_api_factory!r}): a factory of the channel to the agent, "
+                               "e.g. HPAgentK8sAPIFactory(), not an instance of another kind")
+        self.hp_api_factory = hp_api_factory
         self.fatal_exceptions = tuple(fatal_exceptions)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -192,7 +198,7 @@ class HPWrapper:
         group_hook.install()   # the roll call in every generation's init_process_group (started by any means)
         _preload_torch_modules()
         _warn_existing_group()
-        sess = Session.get()
+        sess = Session.get(self.hp_api_factory)
         gen = sess.generation
         need_go = gen > 0
         world: Optional[int] = None       # the world size of the previous call in this process

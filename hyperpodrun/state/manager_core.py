@@ -136,6 +136,23 @@ class ManagerCore:
             self.layout.check_placement(world, int(local))
         self._layout_checked = world
 
+    def use_layout(self, layout: ParallelLayout) -> None:
+        """Take a training strategy's parallel layout (CheckpointlessMegatronStrategy calls this before the
+        restore at fit start): its replica map (with 2 or more instances) and its fingerprint from now on.
+        A layout given to this manager explicitly that differs is refused (ApiValueError), as are replica_groups
+        beside a strategy's instances."""
+        explicit = self.num_instances is not None or self.layout != ParallelLayout()
+        if explicit and layout != self.layout:
+            raise ApiValueError(f"CheckpointManager was given the layout {self.layout.fingerprint(self._world())} "
+                                f"but the strategy trains with {layout.fingerprint(self._world())}; give it once")
+        if self.replica_groups is not None and (layout.instances or 1) > 1:
+            raise ApiValueError("CheckpointManager(replica_groups=...) and the strategy's "
+                                "num_distributed_optimizer_instances both say where the replicas are; give one")
+        self.layout = layout
+        if (layout.instances or 1) > 1:
+            self.num_instances = layout.instances
+        self._layout_checked = None
+
     def _world(self) -> int:
         """The job's world size now (the process group's, once there is one)."""
         import torch.distributed as dist

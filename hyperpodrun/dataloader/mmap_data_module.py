@@ -1,0 +1,4 @@
+"""`MMAPDataModule` at the product note's path (the implementation: hyperpodrun/data/datamodule.py)."""
+from hyperpodrun.data.datamodule import MMAPDataModule
+
+__all__ = ["MMAPDataModule"]

@@ -1,0 +1,4 @@
+"""`CheckpointManager` at the product note's path (the implementation: hyperpodrun/state/checkpoint.py)."""
+from hyperpodrun.state.checkpoint import CheckpointManager
+
+__all__ = ["CheckpointManager"]
