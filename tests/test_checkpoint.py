@@ -23,19 +23,19 @@ HYPERPODRUN = os.path.join(os.path.dirname(sys.executable), "hyperpodrun")
 
 
 def run_job(tmp_path, name: str, mode: str, faults: str = "", extra_env: dict | None = None,
-            timeout: float = 240) -> tuple[int, str, str]:
+            timeout: float = 240, nproc: int = 4) -> tuple[int, str, str]:
     return launch(tmp_path, name, WORKER, {"MODE": mode, "FAULTS": faults, "STEPS": "10", "DIM": "64",
-                                           **(extra_env or {})}, timeout)
+                                           **(extra_env or {})}, timeout, nproc=nproc)
 
 
 def launch(tmp_path, name: str, worker: str, worker_env: dict, timeout: float = 240,
-           inprocess_timeout: int = 60, flags: tuple = (), started=None) -> tuple[int, str, str]:
-    """Run `worker` on 4 ranks under `hyperpodrun --inprocess-restart` with OUT_DIR=tmp_path/name:
+           inprocess_timeout: int = 60, flags: tuple = (), started=None, nproc: int = 4) -> tuple[int, str, str]:
+    """Run `worker` on `nproc` ranks (4) under `hyperpodrun --inprocess-restart` with OUT_DIR=tmp_path/name:
     (exit code, OUT_DIR, the agent's stderr)."""
     out = tmp_path / name
     out.mkdir()
     env = dict(os.environ, OUT_DIR=str(out), HYPERPODRUN_SHM_DIR=str(tmp_path / "shm"), **worker_env)
-    cmd = [HYPERPODRUN, "--nproc-per-node", "4", "--inprocess-restart", "--heartbeat-interval", "0.5",
+    cmd = [HYPERPODRUN, "--nproc-per-node", str(nproc), "--inprocess-restart", "--heartbeat-interval", "0.5",
            "--heartbeat-timeout", "10", "--inprocess-timeout", str(inprocess_timeout),
            "--log-dir", str(tmp_path / f"logs-{name}"), "--rdzv-id", name, *(flags or STANDBY), worker]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -234,10 +234,10 @@ def test_model_built_outside_the_wrapped_function(tmp_path, reference):
     assert_same(reference("allreduce"), out)
 
 
-def restores(out: str) -> dict[int, dict[int, str]]:
+def restores(out: str, ranks: int = 4) -> dict[int, dict[int, str]]:
     """rank -> generation -> how the rank got its state there (CheckpointManager.restored_from)."""
     got: dict[int, dict[int, str]] = {}
-    for rank in range(4):
+    for rank in range(ranks):
         with open(os.path.join(out, f"restores.rank{rank}")) as fh:
             for line in fh:
                 gen, _start, how = line.split()
@@ -350,6 +350,41 @@ def test_rank_killed_with_its_snapshots_comes_back_from_the_other_optimizer_inst
     for r in (0, 2, 3):   # a survivor kept its process: one pid in every generation
         pids = {line.split()[2] for line in open(os.path.join(out, f"entries.rank{r}")).read().splitlines()}
         assert len(pids) == 1, f"rank {r} was restarted: {pids}"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_taken_under_another_layout_is_refused_in_one_line(tmp_path):
+    """A job with 2 optimizer instances completes, leaving fallback checkpoints; the same job started again with
+    another rank order would restore them into another rank's part of the model: every rank refuses with one
+    line naming both layouts, and the job ends with exit code 2 before any step."""
+    fallback = str(tmp_path / "fallback")
+    rc, _out, err = run_job(tmp_path, "first", "instances", extra_env={"FALLBACK_DIR": fallback,
+                                                                         "FALLBACK_EVERY": "5"})
+    assert rc == 0, err[-3000:]
+    rc, out, err = run_job(tmp_path, "again", "instances", extra_env={"FALLBACK_DIR": fallback,
+                                                                        "RANK_ORDER": "tp-cp-pp-ep-dp"})
+    assert rc == 2, err[-3000:]
+    assert "Traceback" not in err and "taken under another parallel layout" in err, err[-3000:]
+    assert "order=tp-cp-ep-dp-pp) than this job's (world=4 tp=1 pp=1 cp=1 instances=2 order=tp-cp-pp-ep-dp)" in err
+    assert not os.path.exists(os.path.join(out, "rank0.pt"))
+
+
+@pytest.mark.slow
+def test_three_optimizer_instances_survive_two_losses_of_the_same_shard(tmp_path):
+    """num_distributed_optimizer_instances=3 over 6 ranks: ranks 0, 2 and 4 hold the same shard. Ranks 0 and 2
+    lose their snapshots and die at the same moment (with 2 instances that loses the shard: exit 75, see
+    test_rank_and_its_replica_lost_together_end_with_exit_75); rank 4's copy brings both back, bitwise."""
+    env = {"INSTANCES": "3"}
+    rc, ref, err = run_job(tmp_path, "ref3", "instances", extra_env=env, nproc=6)
+    assert rc == 0, err[-3000:]
+    rc, out, err = run_job(tmp_path, "three", "instances", "wipe-kill:0:4:top;wipe-kill:2:4:top",
+                           extra_env={**env, "FAULT_AFTER_PEERS_SAVED": "1", "STEP_SLEEP": "0.02"}, nproc=6)
+    assert rc == 0, err[-3000:] + worker_lines(tmp_path, "three")
+    restored = [e for e in events(tmp_path, "three") if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4, restored
+    assert_same(ref, out, ranks=6)
+    how = restores(out, ranks=6)
+    assert how[0][1] == how[2][1] == "replica" and all(how[r][1] != "replica" for r in (1, 3, 4, 5)), how
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ FORGE_INVENTORY=rank:generation: that rank's restore inventory in that generatio
 _forge_inventory).
 At the end each rank writes its parameters and optimizer state to OUT_DIR/rank<r>.pt; DUMP_PARAMS=1: rank 0 also
 writes its model after every step to OUT_DIR/params.step<s>.pt. FALLBACK_DIR / FALLBACK_EVERY: the durable tier.
+RANK_ORDER: CheckpointManager(rank_order=...) (the layout every snapshot's fingerprint names).
 LOG_INFO=1: the runtime logs at INFO into the rank's log (how each restore was planned and served).
 PROCESS_LOG=path: the script's top appends `import <pid>` there (and prints `imported in <pid>`), a SIGKILL fault
 `kill <pid>` just before it - the order of a standby's run ahead (--standby-prerun) and the fault; IMPORT_CHILD=1:
@@ -70,7 +71,8 @@ cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        if REPLICAS else None,
                        reuse_live=os.environ.get("REUSE_LIVE", "1") != "0",
                        num_distributed_optimizer_instances=int(os.environ.get("INSTANCES", "2"))
-                       if MODE == "instances" else None)
+                       if MODE == "instances" else None,
+                       rank_order=os.environ.get("RANK_ORDER", "tp-cp-ep-dp-pp"))
 
 
 def maybe_pause(step, rank, generation):
