@@ -353,6 +353,23 @@ def test_rank_killed_with_its_snapshots_comes_back_from_the_other_optimizer_inst
 
 
 @pytest.mark.slow
+def test_a_pipeline_rank_killed_with_its_snapshots_comes_back_from_its_own_stage(tmp_path, reference):
+    """2 pipeline stages x 2 data-parallel ranks with 2 optimizer instances, in Megatron's order (rank = dp +
+    2 * stage; CheckpointManager(pipeline_model_parallel_size=2)): rank 1's replica is rank 0, in its own
+    stage, world / (PP * N) = 1 rank on - not rank 3, of the other stage, which the map paired it with when it
+    ignored the pipeline. Rank 1 is SIGKILLed together with its snapshots; it comes back with rank 0's state and
+    every rank ends bitwise equal to the fault-free run."""
+    rc, out, err = run_job(tmp_path, "pipeline", "pipeline", "wipe-kill:1:4:top",
+                           extra_env={"FAULT_AFTER_PEERS_SAVED": "1", "STEP_SLEEP": "0.02"})
+    assert rc == 0, err[-3000:] + worker_lines(tmp_path, "pipeline")
+    restored = [e for e in events(tmp_path, "pipeline") if e["event"] == "state_restored"]
+    assert restored and restored[0]["source"] == "replica" and restored[0]["step"] == 4, restored
+    assert_same(reference("pipeline"), out)
+    how = restores(out)
+    assert how[1][1] == "replica" and all(how[r][1] != "replica" for r in (0, 2, 3)), how
+
+
+@pytest.mark.slow
 def test_a_checkpoint_taken_under_another_layout_is_refused_in_one_line(tmp_path):
     """A job with 2 optimizer instances completes, leaving fallback checkpoints; the same job started again with
     another rank order would restore them into another rank's part of the model: every rank refuses with one

@@ -1,6 +1,7 @@
 """Training worker for the checkpointless exactness tests: a hand-written all-reduce loop, DDP, FSDP2, DDP with
 ZeRO-1 (zero), or DDP with the Adam state sharded within each of INSTANCES optimizer instances (instances: the
-CheckpointManager's num_distributed_optimizer_instances replica map).
+CheckpointManager's num_distributed_optimizer_instances replica map), or 2 pipeline stages x 2 data-parallel
+ranks (pipeline; PP: the pipeline size the CheckpointManager is given, default 2).
 
 Deterministic (data indexed by step and rank, fixed seeds); saves state after every optimizer step with
 CheckpointManager and restores it on re-entry. Faults come from FAULTS, a ';'-separated list of
@@ -71,7 +72,8 @@ cm = CheckpointManager(enable_checksum=os.environ.get("CHECKSUM") == "1",
                        if REPLICAS else None,
                        reuse_live=os.environ.get("REUSE_LIVE", "1") != "0",
                        num_distributed_optimizer_instances=int(os.environ.get("INSTANCES", "2"))
-                       if MODE == "instances" else None,
+                       if MODE in ("instances", "pipeline") else None,
+                       pipeline_model_parallel_size=int(os.environ.get("PP", "2" if MODE == "pipeline" else "1")),
                        rank_order=os.environ.get("RANK_ORDER", "tp-cp-ep-dp-pp"))
 
 
@@ -191,7 +193,44 @@ def bare_model():
                          nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
 
 
+def build_pipeline(rank):
+    """MODE=pipeline: 2 pipeline stages x 2 data-parallel ranks in Megatron's order (rank = dp + 2 * stage):
+    stage 0 holds the first layer, stage 1 the rest; each stage's data-parallel pair all-reduces its gradients
+    (so ranks 0 and 1 hold the same state, as do 2 and 3)."""
+    stage = rank // 2
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    current["dp_group"] = groups[stage]
+    torch.manual_seed(stage)
+    net = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU()) if stage == 0 else \
+        nn.Sequential(nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
+    return net, torch.optim.Adam(net.parameters(), lr=1e-3)
+
+
+def pipeline_step(net, opt, step, rank):
+    """One step of the 2-stage pipeline: activations forward from stage 0 to stage 1, their gradient back."""
+    dp, stage = rank % 2, rank // 2
+    x, y = batch(step, dp)
+    opt.zero_grad()
+    if stage == 0:
+        h = net(x)
+        dist.send(h.detach().contiguous(), rank + 2)
+        grad = torch.empty_like(h)
+        dist.recv(grad, rank + 2)
+        h.backward(grad)
+    else:
+        h = torch.empty(x.shape[0], 4 * DIM)
+        dist.recv(h, rank - 2)
+        h.requires_grad_()
+        nn.functional.mse_loss(net(h), y).backward()
+        dist.send(h.grad.contiguous(), rank - 2)
+    for p in net.parameters():
+        dist.all_reduce(p.grad, group=current["dp_group"])
+        p.grad.div_(2)
+
+
 def build(rank):
+    if MODE == "pipeline":
+        return build_pipeline(rank)
     model = bare_model()
     if MODE in ("ddp", "zero", "instances"):
         # small buckets, as a large model has several of the default 25 MB
@@ -309,10 +348,13 @@ def main(caller=None):
         current["step"], current["gen"] = step, caller.iteration
         caller.progress(step)
         maybe_fault("top", step, rank, caller.iteration)
-        x, y = batch(step, rank)
-        loss = nn.functional.mse_loss(net(x), y)
-        opt.zero_grad()
-        loss.backward()
+        if MODE == "pipeline":
+            pipeline_step(net, opt, step, rank)
+        else:
+            x, y = batch(step, rank)
+            loss = nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
         if MODE == "allreduce":
             maybe_fault("allreduce", step, rank, caller.iteration)
             for p in net.parameters():
