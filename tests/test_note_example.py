@@ -1,6 +1,7 @@
 """The product note's complete example (its section 6), with only the package prefix of its imports changed and
 its Trainer on CPU (tests/scripts/note_example/training_script.py; MyModel and MyDataModule in my_project.py),
-runs under `hyperpodrun --inprocess-restart` on 4 ranks (gloo) with 2 optimizer instances: a rank SIGKILLed
+runs under `hyperpodrun --inprocess-restart` on 4 ranks (gloo) with 2 optimizer instances (the optimizer state
+sharded within each instance, as Megatron's partial distributed optimizer): a rank SIGKILLed
 mid-run together with its snapshots comes back with its state from its peer in the other instance, the other
 ranks keep their processes, and every rank ends bitwise equal to the fault-free run."""
 from __future__ import annotations
@@ -68,6 +69,10 @@ def test_the_notes_complete_example_restores_a_killed_rank_from_the_other_instan
     for rank in range(4):
         with open(os.path.join(got, f"groups.rank{rank}")) as fh:
             assert fh.read() == "[[0, 2], [1, 3]]"
+    # the optimizer state is sharded within each instance ({0,1} and {2,3}): ranks 1 and 3 hold the same share,
+    # ranks 0 and 1 different ones - only rank 3 could give rank 1 its state back
+    share = {r: set(torch.load(os.path.join(ref, f"rank{r}.pt"))["opt"]) for r in range(4)}
+    assert share[1] == share[3] and share[0] == share[2] and share[0] and share[1] and not share[0] & share[1], share
     for rank in range(4):
         a = torch.load(os.path.join(ref, f"rank{rank}.pt"))
         b = torch.load(os.path.join(got, f"rank{rank}.pt"))

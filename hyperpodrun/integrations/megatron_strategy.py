@@ -13,11 +13,12 @@ Why: a script written against NeMo's `MegatronStrategy` names its layout with Ne
 takes them (same names, same defaults) so that such a script runs with only its imports changed. What it does
 today: tensor = pipeline = context = expert parallel size 1 - data parallelism over every rank with PyTorch's
 DistributedDataParallel (Lightning's DDPStrategy, gloo or NCCL), any LightningModule unchanged - and the
-`num_distributed_optimizer_instances` replica map handed to the CheckpointManager of the Trainer's
-CheckpointlessCallback: a rank that lost its snapshots gets them from its peer in another instance
-(world / N ranks on, as Megatron numbers them). Every rank holds the whole optimizer state (DDP), so the
-instances cost no sharding; larger tensor, pipeline, context or expert parallel sizes are refused with one line
-(not supported yet; docs/tier4.md). NeMo's checkpoint-format arguments (ckpt_*, save_ckpt_format, ...) are
+`num_distributed_optimizer_instances` = N as Megatron's partial distributed optimizer: the ranks are cut into N
+contiguous instances, gradients all-reduced over every rank, the optimizer state sharded within each instance
+(instance_shards.py), and the replica map handed to the CheckpointManager of the Trainer's CheckpointlessCallback:
+a rank that lost its snapshots gets them from its peer in another instance (world / N ranks on, as Megatron
+numbers them), which holds the same share. Larger tensor, pipeline, context or expert parallel sizes are refused
+with one line (not supported yet; docs/tier4.md). NeMo's checkpoint-format arguments (ckpt_*, save_ckpt_format, ...) are
 accepted and have no effect: the state lives in memory (CheckpointManager), not in a distributed checkpoint.
 
 Lightning stays optional: the class derives from the DDPStrategy of whichever distribution the script imported
@@ -31,6 +32,7 @@ import sys
 from typing import Any, Optional
 
 from hyperpodrun.errors import ApiValueError, MissingDependencyError
+from hyperpodrun.integrations.instance_shards import InstanceShards, instance_groups
 from hyperpodrun.state.restore.parallel_layout import DEFAULT_ORDER, ParallelLayout
 
 log = logging.getLogger("hyperpodrun.runtime")
@@ -155,7 +157,34 @@ class CheckpointlessMegatronStrategy:
         if not managers and self.num_distributed_optimizer_instances > 1:
             log.warning("CheckpointlessMegatronStrategy(num_distributed_optimizer_instances=%d): the Trainer has no "
                         "CheckpointlessCallback, so no state is kept in memory", self.num_distributed_optimizer_instances)
-        super().setup(trainer)   # type: ignore[misc]
+        super().setup(trainer)   # type: ignore[misc]  # wraps the module in DDP, builds the optimizers
+        self._shards: dict[int, InstanceShards] = {}
+        instances = self.num_distributed_optimizer_instances
+        optimizers = getattr(self, "optimizers", None) or []
+        if world // instances > 1 and optimizers:
+            group, position, size, members = instance_groups(world, instances)
+            self._shards = {id(opt): InstanceShards(opt, group, position, size, members) for opt in optimizers}
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer steps its instance share only, then the shares are broadcast within the instance
+        (instance_shards.py); the optimizer object stays the user's, so LR schedulers and Lightning see no
+        difference."""
+        shards = getattr(self, "_shards", {}).get(id(optimizer))
+        if shards is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)   # type: ignore[misc]
+        own = vars(optimizer).get("step")      # an LR scheduler's counting wrapper, if any
+        original = optimizer.step
+
+        def sharded_step(closure: Any = None, **kw: Any) -> Any:
+            return shards.step(original, closure, **kw)
+        optimizer.step = sharded_step
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)   # type: ignore[misc]
+        finally:
+            if own is None:
+                vars(optimizer).pop("step", None)
+            else:
+                optimizer.step = own
 
 
 __all__ = ["CheckpointlessMegatronStrategy"]

@@ -59,3 +59,12 @@ def test_the_strategys_layout_reaches_the_checkpoint_manager():
         CheckpointManager(replica_groups=[[0, 1]]).use_layout(ParallelLayout(2))
     with pytest.raises(ReplicaLayoutError, match="does not divide"):
         ParallelLayout(3).data_parallel(4)
+
+
+def test_the_parameters_are_split_in_contiguous_runs_of_about_equal_size():
+    from hyperpodrun.integrations.instance_shards import owners
+    assert owners([10, 10, 10, 10], 2) == [0, 0, 1, 1]
+    assert owners([100, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert len(owners([5], 4)) == 1 and 0 <= owners([5], 4)[0] < 4   # one parameter: one owner
+    got = owners([7, 3, 9, 1, 4, 4, 8], 3)
+    assert got == sorted(got) and set(got) == {0, 1, 2}
