@@ -301,3 +301,47 @@ def test_a_replacement_nodes_data_cache_resumes_at_the_restored_step(launcher, t
             assert first["src"] == "cached", f"rank {rank}: the first batch after the loss bypassed the cache\n{info}"
         else:
             assert len(pids) == 1, f"rank {rank} should have kept its process\n{info}"
+
+
+def test_a_layout_with_both_copies_of_a_shard_on_one_node_is_refused_at_start(launcher, tmp_path):
+    """2 pipeline stages x 2 data-parallel ranks with 2 optimizer instances, in Megatron's default order (rank =
+    dp + 2 * stage), on 2 nodes of 2: both copies of stage 0's state are on node 0, both of stage 1's on node 1 -
+    either node's loss would lose a stage. The CheckpointManager refuses when it is built, before any step, in
+    one line naming the rank order that spreads the copies; the job ends with exit code 2."""
+    job = Cluster(launcher, tmp_path, "onenode")
+    job.env.update(MODE="pipeline", STEPS="4", STEP_SLEEP="0")
+    nodes = [job.start(0), job.start(1)]
+    codes = [n.wait(120) for n in nodes]
+    info = job.describe()
+    assert 2 in codes and all(c != 0 for c in codes), info
+    assert "puts every copy of a shard on one node" in info and "'tp-cp-pp-ep-dp'" in info, info
+    assert "Traceback" not in info, info
+    assert not list(job.out.glob("entries.rank*")), "a rank started training"
+
+
+def test_a_node_lost_whole_gets_its_pipeline_state_from_the_other_instance(launcher, tmp_path):
+    """The same job in the order that spreads the copies (RANK_ORDER=tp-cp-pp-ep-dp: rank = stage + 2 * dp, the
+    CheckpointManager given pipeline_model_parallel_size=2 and that order): each node holds one data-parallel
+    rank of both stages, and the replicas are across nodes. Node 1 is killed whole (its /dev/shm with it) and
+    started again: its ranks get their state from their replicas in the other instance on node 0 (source
+    "replica", not the peer copies), node 0's ranks keep their processes, and every rank ends bitwise equal to
+    the fault-free run."""
+    env = {"MODE": "pipeline", "RANK_ORDER": "tp-cp-pp-ep-dp"}
+    ref = Cluster(launcher, tmp_path, "pp-ref")
+    ref.env.update(env)
+    ref_nodes = [ref.start(0), ref.start(1)]
+    assert [n.wait(180) for n in ref_nodes] == [0, 0], ref.describe()
+    job = Cluster(launcher, tmp_path, "pp-loss")
+    job.env.update(env)
+    node0, node1 = job.start(0), job.start(1)
+    job.wait_step(KILL_AT)
+    node1.kill()
+    assert node1.wait(30) != 0
+    replacement = job.start(1, label="replacement")
+    codes = [node0.wait(180), replacement.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    assert_survivors_kept_processes(job)
+    restored = node0.events("state_restored")
+    assert restored and restored[-1]["source"] == "replica", f"{restored}\n{info}"
+    assert_same_state(ref.out, job.out)

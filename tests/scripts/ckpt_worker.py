@@ -193,12 +193,25 @@ def bare_model():
                          nn.Linear(4 * DIM, DIM), nn.GELU(), nn.Linear(DIM, 1))
 
 
+DP_OUTER = os.environ.get("RANK_ORDER") == "tp-cp-pp-ep-dp"   # data parallel the slowest dimension
+
+
+def stage_and_dp(rank):
+    """MODE=pipeline's (pipeline stage, data-parallel rank) of `rank` in Megatron's order: rank = dp + 2 * stage
+    by default, rank = stage + 2 * dp with RANK_ORDER=tp-cp-pp-ep-dp."""
+    return (rank % 2, rank // 2) if DP_OUTER else (rank // 2, rank % 2)
+
+
+def rank_of(stage, dp):
+    return stage + 2 * dp if DP_OUTER else dp + 2 * stage
+
+
 def build_pipeline(rank):
-    """MODE=pipeline: 2 pipeline stages x 2 data-parallel ranks in Megatron's order (rank = dp + 2 * stage):
-    stage 0 holds the first layer, stage 1 the rest; each stage's data-parallel pair all-reduces its gradients
-    (so ranks 0 and 1 hold the same state, as do 2 and 3)."""
-    stage = rank // 2
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    """MODE=pipeline: 2 pipeline stages x 2 data-parallel ranks (stage_and_dp): stage 0 holds the first layer,
+    stage 1 the rest; each stage's data-parallel pair all-reduces its gradients (so the two ranks of a stage
+    hold the same state)."""
+    stage, _dp = stage_and_dp(rank)
+    groups = [dist.new_group([rank_of(s, 0), rank_of(s, 1)]) for s in (0, 1)]
     current["dp_group"] = groups[stage]
     torch.manual_seed(stage)
     net = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU()) if stage == 0 else \
@@ -208,21 +221,22 @@ def build_pipeline(rank):
 
 def pipeline_step(net, opt, step, rank):
     """One step of the 2-stage pipeline: activations forward from stage 0 to stage 1, their gradient back."""
-    dp, stage = rank % 2, rank // 2
+    stage, dp = stage_and_dp(rank)
+    other = rank_of(1 - stage, dp)
     x, y = batch(step, dp)
     opt.zero_grad()
     if stage == 0:
         h = net(x)
-        dist.send(h.detach().contiguous(), rank + 2)
+        dist.send(h.detach().contiguous(), other)
         grad = torch.empty_like(h)
-        dist.recv(grad, rank + 2)
+        dist.recv(grad, other)
         h.backward(grad)
     else:
         h = torch.empty(x.shape[0], 4 * DIM)
-        dist.recv(h, rank - 2)
+        dist.recv(h, other)
         h.requires_grad_()
         nn.functional.mse_loss(net(h), y).backward()
-        dist.send(h.grad.contiguous(), rank - 2)
+        dist.send(h.grad.contiguous(), other)
     for p in net.parameters():
         dist.all_reduce(p.grad, group=current["dp_group"])
         p.grad.div_(2)
