@@ -117,7 +117,7 @@ class ParallelLayout:
                 log.warning("replica layout: one node holds two copies of a shard (ranks %s); losing it leaves "
                             "fewer copies than num_distributed_optimizer_instances=%d", doubled[0], self.instances)
             return
-        fixes = [o for o in _orders() if not ParallelLayout(self.instances, self.tp, self.pp, self.cp, o)
+        fixes = [o for o in candidate_orders() if not ParallelLayout(self.instances, self.tp, self.pp, self.cp, o)
                  .shared_nodes(world, local_world)]
         fix = (f"rank order {fixes[0]!r} (Megatron's initialize_model_parallel(order=...), and "
                f"CheckpointManager(rank_order={fixes[0]!r})) puts them on different nodes") if fixes else \
@@ -129,7 +129,7 @@ class ParallelLayout:
             f"shard on one node (ranks {bad[0]}): the loss of that node loses the shard; {fix}")
 
 
-def _orders() -> list[str]:
+def candidate_orders() -> list[str]:
     """Rank orders to suggest: Megatron's default first; tensor parallel the fastest, expert parallel next to
     data parallel (as Megatron requires)."""
     out = ["-".join(("tp", *("ep-dp" if d == "dp" else d for d in p))) for p in itertools.permutations(("cp", "dp", "pp"))]
