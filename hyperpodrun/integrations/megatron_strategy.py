@@ -21,14 +21,15 @@ numbers them), which holds the same share. Larger tensor, pipeline, context or e
 with one line (not supported yet; docs/tier4.md). NeMo's checkpoint-format arguments (ckpt_*, save_ckpt_format, ...) are
 accepted and have no effect: the state lives in memory (CheckpointManager), not in a distributed checkpoint.
 
-Lightning stays optional: the class derives from the DDPStrategy of whichever distribution the script imported
-(`lightning.pytorch` or `pytorch_lightning`) when an instance is made.
+Lightning stays optional: the class derives from the DDPStrategy of the distribution (`lightning.pytorch` or
+`pytorch_lightning`) that the code making the instance uses, when an instance is made.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import sys
+import types
 from typing import Any, Optional
 
 from hyperpodrun.errors import ApiValueError, MissingDependencyError
@@ -45,10 +46,23 @@ _DDP_STRATEGY_KWARGS = ("accelerator", "precision_plugin", "process_group_backen
                         "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-def _ddp_strategy_base() -> type:
-    """The DDPStrategy of the Lightning distribution the script imported (lightning.pytorch first when both
-    are), else of the one installed."""
-    names = [m for m in _DISTRIBUTIONS if m in sys.modules] or list(_DISTRIBUTIONS)
+def _distribution_used_by(namespace: dict) -> Optional[str]:
+    """The Lightning distribution a module's globals use (its Trainer, or the module itself), if one."""
+    for value in namespace.values():
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str):
+            for dist in _DISTRIBUTIONS:
+                if name == dist or name.startswith(dist + "."):
+                    return dist
+    return None
+
+
+def _ddp_strategy_base(caller: Optional[dict] = None) -> type:
+    """The DDPStrategy of the Lightning distribution the code making the strategy uses (`caller`: its globals),
+    else of the one the process imported (lightning.pytorch first when both are), else of the one installed.
+    Why the caller's: a Trainer accepts only a strategy of its own distribution, and both may be imported."""
+    used = _distribution_used_by(caller) if caller is not None else None
+    names = [used] if used else ([m for m in _DISTRIBUTIONS if m in sys.modules] or list(_DISTRIBUTIONS))
     for name in names:
         try:
             return importlib.import_module(f"{name}.strategies").DDPStrategy
@@ -76,7 +90,7 @@ class CheckpointlessMegatronStrategy:
     _subclasses: dict[tuple[type, type], type] = {}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointlessMegatronStrategy":
-        base = _ddp_strategy_base()
+        base = _ddp_strategy_base(sys._getframe(1).f_globals)
         if not issubclass(cls, base):
             key = (cls, base)
             sub = CheckpointlessMegatronStrategy._subclasses.get(key)

@@ -68,3 +68,13 @@ def test_the_parameters_are_split_in_contiguous_runs_of_about_equal_size():
     assert len(owners([5], 4)) == 1 and 0 <= owners([5], 4)[0] < 4   # one parameter: one owner
     got = owners([7, 3, 9, 1, 4, 4, 8], 3)
     assert got == sorted(got) and set(got) == {0, 1, 2}
+
+
+def test_the_strategy_is_of_the_callers_lightning_distribution():
+    """With both distributions imported, a strategy made in code that uses lightning.pytorch is that one's
+    (a Trainer accepts only a strategy of its own distribution); this module uses pytorch_lightning."""
+    lp = pytest.importorskip("lightning.pytorch")
+    namespace = {"Trainer": lp.Trainer, "CheckpointlessMegatronStrategy": CheckpointlessMegatronStrategy}
+    made = eval("CheckpointlessMegatronStrategy()", namespace)
+    assert isinstance(made, lp.strategies.DDPStrategy) and not isinstance(made, pl.strategies.DDPStrategy)
+    assert isinstance(CheckpointlessMegatronStrategy(), pl.strategies.DDPStrategy)
