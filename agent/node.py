@@ -140,6 +140,9 @@ class Node:
         elif kind == "node_joining":
             if self.inproc is not None and self.cfg.elastic:
                 self.inproc.want_join(*value)
+        elif kind == "owner":
+            self.events.emit("owner", f"node {value} now watches every node's lease and declares the nodes lost "
+                             "(elected through the coordination store: agent/coordination/owner.py)", node=value)
         elif kind == "spare":
             self.events.emit("spare_waiting", f"hot spare {value[0]} on {value[1]} is waiting (not in the world "
                              "size); it takes over the next node that is lost", incarnation=value[0], spare_host=value[1])

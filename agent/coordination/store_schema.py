@@ -104,6 +104,7 @@ def node_lease(node_rank: int) -> str:
 
 NODE_LOSSES = "member/losses"          # a JSON list of every NodeLoss declared (the other agents read only this)
 SPARES = "member/spares"               # a JSON list of the hot spares waiting: {"incarnation", "host", "since"}
+OWNER = "member/owner"                 # an Owner: the agent that watches every lease (agent/coordination/owner.py)
 
 
 def node_lost(node_rank: int, incarnation: str) -> str:
@@ -215,6 +216,16 @@ class NodeLease(BaseModel):
 
     incarnation: str
     count: int
+
+
+class Owner(BaseModel):
+    """The agent elected to carry the host-only duties (watching every lease, declaring losses) when no agent
+    hosts the store: its node rank and incarnation; it holds the duty while it holds the rank and renews."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    node: int
+    incarnation: str
 
 
 class NodeLoss(BaseModel):
