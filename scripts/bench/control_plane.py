@@ -1,0 +1,328 @@
+"""The control plane at scale: N agents' coordination against a real store, with fake workers.
+
+    python scripts/bench/control_plane.py --nodes 2,16,128 --store coordinator,etcd,node --rounds 3
+
+Each simulated agent is three threads of this process, running the agent's own coordination code as
+agent/agent.py wires it: the rendezvous (agent/coordination/rendezvous.py, the etcd one for etcd), the
+Membership thread (leases, the owner election of agent/coordination/owner.py, the declared losses), the
+Watcher (generation, failure) and a loop that plays the in-process round as agent/round.py does - request
+the restart, claim and publish the workers' store, mark this node READY, wait until every node is, GO -
+with workers that are READY at once (no torch is imported: the store's side is what is measured). The
+store is real: a `hyperpodrun coordinator` process, one etcd member (`etcd` on PATH), or the first agent's
+in-process TCPStore ("node", the node-hosted store of a default launch).
+
+Per N and store it reports: the rendezvous time; per restart round (a fault on one agent), the time from
+the fault to the first and the last agent's GO and the store operations the round's loops made (per agent);
+and the background load - store operations per agent per lease period of the Membership and Watcher
+threads, measured while nothing happens. The growth law of each is fitted (a*N^b by least squares on logs)
+and extrapolated to 1,000 and 10,000 nodes. Prints the command, the machine and the figures; --json writes
+them too. The agents share this process's cores (and its GIL) with one another and with the store: the
+times are an upper bound of what N separate machines would see.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # hyperpodrun from this checkout
+sys.path.insert(0, HERE)
+
+from _common import find_launcher  # noqa: E402
+from hyperpodrun import auth  # noqa: E402
+from hyperpodrun.agent.coordination import store_schema as K, stores  # noqa: E402
+from hyperpodrun.agent.coordination.job_state import Coordinator, Watcher  # noqa: E402
+from hyperpodrun.agent.coordination.membership import Membership  # noqa: E402
+from hyperpodrun.agent.coordination.rendezvous import rendezvous  # noqa: E402
+from hyperpodrun.agent.coordination.store_schema import FailureInfo  # noqa: E402
+from hyperpodrun.launch.config import LaunchConfig  # noqa: E402
+
+OPS = ("get", "set", "add", "check", "compare_set", "wait", "delete_key", "multi_get", "multi_set")
+
+
+class Counting:
+    """A store connection that counts the operations made through it (one thread uses each)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.count = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in OPS:
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return attr(*args, **kwargs)
+        return counted
+
+
+class FakeWorkerStores:
+    """The WorkerStoreHost port without a server: the workers are fake, only the records are real."""
+
+    def __init__(self) -> None:
+        self._ports: dict[int, int] = {}
+
+    def open(self, generation: int) -> int:
+        self._ports[generation] = 40000 + generation
+        return self._ports[generation]
+
+    def get(self, generation: int) -> Optional[object]:
+        return self._ports.get(generation)
+
+
+class SimAgent:
+    """One agent: rendezvous, then Membership + Watcher threads and a loop thread that plays the rounds."""
+
+    def __init__(self, cfg: LaunchConfig, fault_q: "queue.Queue[float]") -> None:
+        self.cfg = cfg
+        self.inbox: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self.faults = fault_q
+        self.bg: list[Counting] = []      # Membership's and Watcher's connections
+        self.loop_ops: Optional[Counting] = None
+        self.go: dict[int, float] = {}    # generation -> when this agent said GO
+        self.stop = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.owner = False
+        self.ready = threading.Event()    # its threads run: the job has formed
+        self.thread = threading.Thread(target=self._main, daemon=True)
+
+    def _open(self, open_store: Callable[[], Any]) -> Callable[[], Any]:
+        def opened() -> Any:
+            c = Counting(open_store())
+            self.bg.append(c)
+            return c
+        return opened
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # reported by the driver
+            self.error = exc
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        rdzv = self.rdzv = rendezvous(cfg, self.stop.is_set)
+        self.loop_ops = store = Counting(rdzv.store)
+        coord = Coordinator(store, rdzv.nnodes, 0, key=auth.derive(rdzv.secret, "store"), run_id=rdzv.run_id,
+                            node_rank=rdzv.node_rank, on_forged=lambda msg: None, incarnation=rdzv.incarnation)
+        if rdzv.link is not None:
+            rdzv.link.post = self.inbox.put
+            open_store = rdzv.link.connect
+        else:
+            host, port = rdzv.store_endpoint or ("127.0.0.1", 0)
+
+            def open_store() -> Any:   # as agent.py's _helper_store
+                return stores.prefixed(K.run_prefix(rdzv.run_id), stores.open_tcp_store(
+                    host, port, server=False, timeout_s=cfg.join_timeout))
+        membership = Membership(self._open(open_store), lambda s: coord.view(s).records, self.inbox.put,
+                                node=rdzv.node_rank, nnodes=cfg.nnodes, incarnation=rdzv.incarnation,
+                                node_timeout=cfg.node_timeout, watch_all=rdzv.store_host, news=rdzv.coordinator,
+                                elect=rdzv.coordinator)
+        watcher = Watcher(self._open(open_store), self.inbox.put, cfg.monitor_interval, view=coord.view)
+        membership.start()
+        watcher.start()
+        self.ready.set()
+        wstores = FakeWorkerStores()
+        gen, target, marked = 0, None, False
+        nodes = list(range(rdzv.nnodes))
+        next_tick = time.monotonic()
+        while not self.stop.is_set():
+            try:
+                kind, value = self.inbox.get(timeout=max(0.0, next_tick - time.monotonic()))
+            except queue.Empty:
+                kind, value = "tick", None
+                next_tick = time.monotonic() + cfg.monitor_interval
+            if kind == "owner":
+                self.owner = True
+            elif kind == "fault":                 # a rank of this node failed: round.py's fault()
+                grant = coord.request_restart(gen, FailureInfo(host="sim", summary="injected"), count_budget=False)
+                target, marked = grant.generation, False
+                coord.claim_root_cause(target, FailureInfo(host="sim", summary="injected"))
+                stores.open_worker_store(target, wstores, coord, rdzv)
+            elif kind == "generation" and int(value) > (target if target is not None else gen):
+                target, marked = int(value), False   # another node moved it: remote_generation()
+                stores.open_worker_store(target, wstores, coord, rdzv)
+            if target is not None:                # _advance_round: the workers are READY at once
+                if not marked:
+                    coord.mark_ready(target)
+                    marked = True
+                if coord.ready_count(target, nodes) >= len(nodes) and coord.worker_store_port(target) is not None:
+                    self.go[target] = time.monotonic()
+                    gen, target = target, None
+        membership.stop()
+        watcher.stop()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_store(kind: str, tmp: str) -> tuple[Optional[subprocess.Popen[bytes]], str]:
+    """The store for `kind` -> (its process or None, the --rdzv-endpoint)."""
+    port = _free_port()
+    if kind == "node":
+        return None, f"127.0.0.1:{port}"
+    if kind == "coordinator":
+        proc = subprocess.Popen([find_launcher("hyperpodrun"), "coordinator", "--host", "127.0.0.1", "--port",
+                                 str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if b"serving the coordination store" in line:
+                break
+        else:
+            raise SystemExit("the coordinator did not start")
+        threading.Thread(target=proc.stderr.read, daemon=True).start()   # drain
+        return proc, f"127.0.0.1:{port}"
+    if shutil.which("etcd") is None:
+        raise SystemExit("etcd is not on PATH (Debian: apt-get install etcd-server)")
+    peer = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(["etcd", "--name", "m0", "--data-dir", os.path.join(tmp, f"etcd-{port}"),
+                             "--listen-client-urls", url, "--advertise-client-urls", url,
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"m0=http://127.0.0.1:{peer}", "--log-level", "error",
+                             "--logger", "zap"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import urllib.request
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1).read()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("etcd did not start")
+            time.sleep(0.1)
+    return proc, f"127.0.0.1:{port}"
+
+
+def config(kind: str, endpoint: str, n: int, run_id: str, node_timeout: float) -> LaunchConfig:
+    return LaunchConfig.from_flags(dict(entrypoint="true", no_python=True, args=[], nnodes=str(n), nproc_per_node=1,
+                                        rdzv_backend="etcd" if kind == "etcd" else "c10d", rdzv_endpoint=endpoint,
+                                        rdzv_id=run_id, node_timeout=node_timeout))
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, agents: list[SimAgent]) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        for a in agents:
+            if a.error is not None:
+                raise SystemExit(f"an agent failed while {what}: {a.error!r}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out while {what}")
+        time.sleep(0.01)
+
+
+def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str) -> dict[str, Any]:
+    """One job of `n` simulated agents on a fresh store of `kind`: rendezvous, background load, rounds."""
+    proc, endpoint = start_store(kind, tmp)
+    agents: list[SimAgent] = []
+    try:
+        run_id = f"bench-{kind}-{n}"
+        t0 = time.monotonic()
+        agents = [SimAgent(config(kind, endpoint, n, run_id, node_timeout), queue.Queue()) for _ in range(n)]
+        for a in agents:
+            a.thread.start()
+        wait_for(lambda: all(a.ready.is_set() for a in agents), 120 + n, "meeting", agents)
+        formed = time.monotonic() - t0
+        wait_for(lambda: any(a.owner for a in agents) or kind == "node", 30, "electing an owner", agents)
+        period = agents[0].cfg.node_timeout / 5 if node_timeout < 5 else 1.0
+        time.sleep(period)                 # let the first passes (bids, first reads) settle
+        bg0, w0 = sum(c.count for a in agents for c in a.bg), time.monotonic()
+        time.sleep(3 * period)             # a quiet window: only leases, the owner's watch and the Watchers
+        bg = (sum(c.count for a in agents for c in a.bg) - bg0) / ((time.monotonic() - w0) / period) / n
+        results = []
+        for i in range(rounds):
+            gen = i + 1
+            before = sum((a.loop_ops.count if a.loop_ops else 0) for a in agents)
+            fault = time.monotonic()
+            agents[(i * 7919) % n].inbox.put(("fault", None))
+            wait_for(lambda: all(gen in a.go for a in agents), 60, f"round {gen}", agents)
+            ops = sum((a.loop_ops.count if a.loop_ops else 0) for a in agents) - before
+            gos = [a.go[gen] - fault for a in agents]
+            results.append(dict(first_go_s=min(gos), last_go_s=max(gos), round_ops=ops, round_ops_per_agent=ops / n))
+            time.sleep(0.3)
+        med = sorted(results, key=lambda r: r["last_go_s"])[len(results) // 2]
+        return dict(store=kind, nodes=n, formed_s=formed, bg_ops_per_agent_per_period=bg, lease_period_s=period,
+                    **med, rounds=results)
+    finally:
+        for a in agents:
+            a.stop.set()
+        for a in agents:
+            a.thread.join(5)
+        if proc is not None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+def fit(ns: list[int], ys: list[float]) -> tuple[float, float]:
+    """y = a * N^b by least squares on the logs -> (a, b)."""
+    pts = [(math.log(x), math.log(max(y, 1e-9))) for x, y in zip(ns, ys)]
+    mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
+    var = sum((p[0] - mx) ** 2 for p in pts)
+    b = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var else 0.0
+    return math.exp(my - b * mx), b
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="2,16,128", help="comma-separated numbers of agents")
+    ap.add_argument("--store", default="coordinator,etcd", help="comma-separated: coordinator, etcd, node")
+    ap.add_argument("--rounds", type=int, default=3, help="restart rounds per job (the median is reported)")
+    ap.add_argument("--node-timeout", type=float, default=5.0, help="--node-timeout of the agents (seconds)")
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args(argv)
+    ns = [int(x) for x in args.nodes.split(",")]
+    kinds = [k.strip() for k in args.store.split(",")]
+    bad = [k for k in kinds if k not in ("coordinator", "etcd", "node")]
+    if bad or any(n < 2 for n in ns):
+        print(f"control_plane.py: --store takes coordinator, etcd, node and --nodes numbers >= 2 (got {args.store!r}, "
+              f"{args.nodes!r})", file=sys.stderr)
+        return 2
+    print("command: python scripts/bench/control_plane.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s), Python {platform.python_version()}")
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
+        for kind in kinds:
+            for n in ns:
+                r = measure(kind, n, args.rounds, args.node_timeout, tmp)
+                out.append(r)
+                print(f"{kind:11s} N={n:5d}  formed {r['formed_s']:6.2f}s  fault->GO first {r['first_go_s']:.3f}s "
+                      f"last {r['last_go_s']:.3f}s  round ops {r['round_ops']:7d} ({r['round_ops_per_agent']:.1f}/agent)"
+                      f"  background {r['bg_ops_per_agent_per_period']:.1f} ops/agent/period", flush=True)
+    fits: dict[str, Any] = {}
+    for kind in kinds:
+        rows = [r for r in out if r["store"] == kind]
+        if len(rows) < 2:
+            continue
+        x = [r["nodes"] for r in rows]
+        for key in ("round_ops", "last_go_s", "bg_ops_per_agent_per_period"):
+            a, b = fit(x, [r[key] for r in rows])
+            fits[f"{kind}/{key}"] = dict(a=a, b=b, at_1000=a * 1000 ** b, at_10000=a * 10000 ** b)
+            print(f"{kind:11s} {key:28s} ~ {a:.4g} * N^{b:.2f}:  N=1,000 -> {a * 1000 ** b:.4g}   "
+                  f"N=10,000 -> {a * 10000 ** b:.4g}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(results=out, fits=fits), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
