@@ -141,6 +141,11 @@ def done(generation: int) -> str:
     return f"done/{generation}"
 
 
+def sealed(name: str) -> str:
+    """The seal of mark `name`: the node ranks whose marks were all verified set (signed_records.count)."""
+    return f"{name}/sealed"
+
+
 def node_mark(name: str, node_rank: int) -> str:
     """The signed mark of node `node_rank` under mark `name` ("1" set, "0" taken back)."""
     return f"{name}/node{node_rank}"

@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # torch's per-connection hostname warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # hyperpodrun from this checkout
 sys.path.insert(0, HERE)
@@ -44,7 +45,7 @@ from _common import find_launcher  # noqa: E402
 from hyperpodrun import auth  # noqa: E402
 from hyperpodrun.agent.coordination import store_schema as K, stores  # noqa: E402
 from hyperpodrun.agent.coordination.job_state import Coordinator, Watcher  # noqa: E402
-from hyperpodrun.agent.coordination.membership import Membership  # noqa: E402
+from hyperpodrun.agent.coordination.membership import Membership, lease_interval  # noqa: E402
 from hyperpodrun.agent.coordination.rendezvous import rendezvous  # noqa: E402
 from hyperpodrun.agent.coordination.store_schema import FailureInfo  # noqa: E402
 from hyperpodrun.launch.config import LaunchConfig  # noqa: E402
@@ -243,7 +244,7 @@ def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str) -> di
         wait_for(lambda: all(a.ready.is_set() for a in agents), 120 + n, "meeting", agents)
         formed = time.monotonic() - t0
         wait_for(lambda: any(a.owner for a in agents) or kind == "node", 30, "electing an owner", agents)
-        period = agents[0].cfg.node_timeout / 5 if node_timeout < 5 else 1.0
+        period = lease_interval(node_timeout)
         time.sleep(period)                 # let the first passes (bids, first reads) settle
         bg0, w0 = sum(c.count for a in agents for c in a.bg), time.monotonic()
         time.sleep(3 * period)             # a quiet window: only leases, the owner's watch and the Watchers
