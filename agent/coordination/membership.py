@@ -23,7 +23,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.coordination.signed_records import SignedRecords
@@ -158,6 +158,14 @@ class MemberRecords:
         return None
 
 
+class Elector(Protocol):
+    """The owner election an agent takes part in when no agent hosts the store (agent/coordination/owner.py)."""
+
+    def step(self) -> tuple[bool, Optional[tuple[int, str, str]]]: ...
+
+    def grace(self, now: float) -> None: ...
+
+
 class Membership(threading.Thread):
     """Renews this node's lease and learns of lost and replaced nodes, over its own store connection; posts:
 
@@ -181,7 +189,7 @@ class Membership(threading.Thread):
                  post: Callable[[Posted], None], *, node: int, nnodes: int, incarnation: str,
                  node_timeout: float, watch_all: bool, clock: Callable[[], float] = time.monotonic,
                  nodes: Optional[Callable[[], Sequence[int]]] = None, elastic: bool = False,
-                 news: bool = False, elect: bool = False,
+                 news: bool = False, elect: Optional[Callable[[MemberRecords], Elector]] = None,
                  reconnects: Optional[Callable[[], int]] = None) -> None:
         super().__init__(name="hyperpodrun-membership", daemon=True)
         self._open_store = open_store
@@ -207,15 +215,13 @@ class Membership(threading.Thread):
         self._stop.set()
 
     def run(self) -> None:
-        from hyperpodrun.agent.coordination.owner import OwnerElection, Ownership
         try:
             members = MemberRecords(self._records(self._open_store()))
         except Exception as exc:  # the loop learns of a lost store from the watcher
             log.debug("membership: no store connection (%s)", exc)
             return
         watch = LeaseWatch(self.node, self.nnodes, self.timeout) if self.watch_all else None
-        election = Ownership(members, OwnerElection(self.node, self.incarnation, self.timeout), self._clock) \
-            if self.elect else None
+        election = self.elect(members) if self.elect is not None else None
         told = LossNews(self.node)
         spares_told: set[Any] = set()
         joins_told: set[tuple[int, str]] = set()
@@ -244,7 +250,7 @@ class Membership(threading.Thread):
                     if watch is not None:
                         watch.grace(self._clock())
                     if election is not None:
-                        election.election.grace(self._clock())
+                        election.grace(self._clock())
                 if watch is not None:
                     nodes = list(self.nodes())
                     state = {n: (members.holder(n), members.lease(n)) for n in nodes if n != self.node}

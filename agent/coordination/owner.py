@@ -25,6 +25,7 @@ owner in the record steps down at its next pass.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -83,6 +84,9 @@ class Ownership:
         self.election = election
         self._clock = clock
 
+    def grace(self, now: float) -> None:
+        self.election.grace(now)
+
     def current(self) -> Optional[Owner]:
         value = self.members.records.read(K.OWNER)
         return Owner.model_validate_json(value) if value else None
@@ -104,3 +108,9 @@ class Ownership:
             log.info("node %d owns the job's lease watch now (%s)", self.election.me.node,
                      f"node {verdict.lost[0]} silent" if verdict.lost else "no live owner before")
         return won, verdict.lost if won else None
+
+
+def electing(node: int, incarnation: str, timeout: float,
+             clock: Callable[[], float] = time.monotonic) -> Callable[[MemberRecords], Ownership]:
+    """What Membership takes as `elect`: this agent's part in the election, over the records it opens."""
+    return lambda members: Ownership(members, OwnerElection(node, incarnation, timeout), clock)

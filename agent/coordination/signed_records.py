@@ -68,6 +68,9 @@ class SignedRecords:
         return value
 
     def _raw(self, name: str) -> bytes:
+        read_now = getattr(self.store, "read_now", None)   # etcd: one request (etcd_store.EtcdStore.read_now)
+        if read_now is not None:
+            return bytes(read_now(name) or b"")
         return bytes(self.store.get(name)) if self.store.check([name]) else b""
 
     def read(self, name: str) -> Optional[str]:

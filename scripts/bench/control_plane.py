@@ -46,11 +46,12 @@ from hyperpodrun import auth  # noqa: E402
 from hyperpodrun.agent.coordination import store_schema as K, stores  # noqa: E402
 from hyperpodrun.agent.coordination.job_state import Coordinator, Watcher  # noqa: E402
 from hyperpodrun.agent.coordination.membership import Membership, lease_interval  # noqa: E402
+from hyperpodrun.agent.coordination.owner import electing  # noqa: E402
 from hyperpodrun.agent.coordination.rendezvous import rendezvous  # noqa: E402
 from hyperpodrun.agent.coordination.store_schema import FailureInfo  # noqa: E402
 from hyperpodrun.launch.config import LaunchConfig  # noqa: E402
 
-OPS = ("get", "set", "add", "check", "compare_set", "wait", "delete_key", "multi_get", "multi_set")
+OPS = ("get", "set", "add", "check", "compare_set", "wait", "delete_key", "multi_get", "multi_set", "read_now")
 
 
 class Counting:
@@ -88,10 +89,10 @@ class FakeWorkerStores:
 class SimAgent:
     """One agent: rendezvous, then Membership + Watcher threads and a loop thread that plays the rounds."""
 
-    def __init__(self, cfg: LaunchConfig, fault_q: "queue.Queue[float]") -> None:
+    def __init__(self, cfg: LaunchConfig, before: bool = False) -> None:
         self.cfg = cfg
+        self.before = before              # every agent watches every lease, as before the owner
         self.inbox: "queue.Queue[tuple[str, Any]]" = queue.Queue()
-        self.faults = fault_q
         self.bg: list[Counting] = []      # Membership's and Watcher's connections
         self.loop_ops: Optional[Counting] = None
         self.go: dict[int, float] = {}    # generation -> when this agent said GO
@@ -131,8 +132,10 @@ class SimAgent:
                     host, port, server=False, timeout_s=cfg.join_timeout))
         membership = Membership(self._open(open_store), lambda s: coord.view(s).records, self.inbox.put,
                                 node=rdzv.node_rank, nnodes=cfg.nnodes, incarnation=rdzv.incarnation,
-                                node_timeout=cfg.node_timeout, watch_all=rdzv.store_host, news=rdzv.coordinator,
-                                elect=rdzv.coordinator)
+                                node_timeout=cfg.node_timeout, news=rdzv.coordinator,
+                                watch_all=rdzv.store_host or (self.before and rdzv.coordinator),
+                                elect=electing(rdzv.node_rank, rdzv.incarnation, cfg.node_timeout)
+                                if rdzv.coordinator and not self.before else None)
         watcher = Watcher(self._open(open_store), self.inbox.put, cfg.monitor_interval, view=coord.view)
         membership.start()
         watcher.start()
@@ -231,19 +234,34 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str, agents: list[S
         time.sleep(0.01)
 
 
-def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str) -> dict[str, Any]:
-    """One job of `n` simulated agents on a fresh store of `kind`: rendezvous, background load, rounds."""
+def every_agent_reads_the_marks(self: Coordinator, name: str, given: Optional[Any]) -> int:
+    """The barrier's count before the seal (mode "before"): every agent reads every node's mark once the
+    counter says complete."""
+    nodes = list(given or self._nodes())
+    hint = int(self.records.store.add(name, 0))
+    if hint < len(nodes):
+        return max(hint, 0)
+    return sum(self.records._marked(name, n) for n in nodes)
+
+
+def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str, mode: str = "now") -> dict[str, Any]:
+    """One job of `n` simulated agents on a fresh store of `kind`: rendezvous, background load, rounds.
+    mode "before": the control plane before the owner and the barrier seal (every agent watches every lease
+    with a coordinator or etcd; every agent reads every READY mark), for comparison."""
     proc, endpoint = start_store(kind, tmp)
     agents: list[SimAgent] = []
+    count = Coordinator._count
+    if mode == "before":
+        setattr(Coordinator, "_count", every_agent_reads_the_marks)
     try:
-        run_id = f"bench-{kind}-{n}"
+        run_id = f"bench-{kind}-{n}-{mode}"
         t0 = time.monotonic()
-        agents = [SimAgent(config(kind, endpoint, n, run_id, node_timeout), queue.Queue()) for _ in range(n)]
+        agents = [SimAgent(config(kind, endpoint, n, run_id, node_timeout), mode == "before") for _ in range(n)]
         for a in agents:
             a.thread.start()
         wait_for(lambda: all(a.ready.is_set() for a in agents), 120 + n, "meeting", agents)
         formed = time.monotonic() - t0
-        wait_for(lambda: any(a.owner for a in agents) or kind == "node", 30, "electing an owner", agents)
+        wait_for(lambda: any(a.owner for a in agents) or kind == "node" or mode == "before", 30, "electing an owner", agents)
         period = lease_interval(node_timeout)
         time.sleep(period)                 # let the first passes (bids, first reads) settle
         bg0, w0 = sum(c.count for a in agents for c in a.bg), time.monotonic()
@@ -261,9 +279,10 @@ def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str) -> di
             results.append(dict(first_go_s=min(gos), last_go_s=max(gos), round_ops=ops, round_ops_per_agent=ops / n))
             time.sleep(0.3)
         med = sorted(results, key=lambda r: r["last_go_s"])[len(results) // 2]
-        return dict(store=kind, nodes=n, formed_s=formed, bg_ops_per_agent_per_period=bg, lease_period_s=period,
+        return dict(store=kind, mode=mode, nodes=n, formed_s=formed, bg_ops_per_agent_per_period=bg, lease_period_s=period,
                     **med, rounds=results)
     finally:
+        setattr(Coordinator, "_count", count)
         for a in agents:
             a.stop.set()
         for a in agents:
@@ -273,13 +292,22 @@ def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str) -> di
             proc.wait()
 
 
-def fit(ns: list[int], ys: list[float]) -> tuple[float, float]:
-    """y = a * N^b by least squares on the logs -> (a, b)."""
+def fit_power(ns: list[int], ys: list[float]) -> tuple[float, float]:
+    """y = a * N^b by least squares on the logs -> (a, b): b is the growth law of a count (1: linear, 2: N^2)."""
     pts = [(math.log(x), math.log(max(y, 1e-9))) for x, y in zip(ns, ys)]
     mx, my = sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts)
     var = sum((p[0] - mx) ** 2 for p in pts)
     b = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var else 0.0
     return math.exp(my - b * mx), b
+
+
+def fit_line(ns: list[int], ys: list[float]) -> tuple[float, float]:
+    """y = a + b * N by least squares -> (a, b): a time is a fixed part (the polling intervals) plus a part
+    per agent (the work the store and this process's cores do for each)."""
+    mx, my = sum(ns) / len(ns), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in ns)
+    b = sum((x - mx) * (y - my) for x, y in zip(ns, ys)) / var if var else 0.0
+    return my - b * mx, b
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -288,37 +316,52 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--store", default="coordinator,etcd", help="comma-separated: coordinator, etcd, node")
     ap.add_argument("--rounds", type=int, default=3, help="restart rounds per job (the median is reported)")
     ap.add_argument("--node-timeout", type=float, default=5.0, help="--node-timeout of the agents (seconds)")
+    ap.add_argument("--modes", default="now", help="comma-separated: now (this tree), before (every agent watches "
+                    "every lease and reads every READY mark, as before the owner and the seal)")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # the stores are stopped then
     ns = [int(x) for x in args.nodes.split(",")]
     kinds = [k.strip() for k in args.store.split(",")]
-    bad = [k for k in kinds if k not in ("coordinator", "etcd", "node")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    bad = [k for k in kinds if k not in ("coordinator", "etcd", "node")] + [m for m in modes if m not in ("now", "before")]
     if bad or any(n < 2 for n in ns):
-        print(f"control_plane.py: --store takes coordinator, etcd, node and --nodes numbers >= 2 (got {args.store!r}, "
-              f"{args.nodes!r})", file=sys.stderr)
+        print(f"control_plane.py: --store takes coordinator, etcd, node, --modes now, before and --nodes numbers >= 2 "
+              f"(got {args.store!r}, {args.modes!r}, {args.nodes!r})", file=sys.stderr)
         return 2
     print("command: python scripts/bench/control_plane.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s), Python {platform.python_version()}")
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
         for kind in kinds:
-            for n in ns:
-                r = measure(kind, n, args.rounds, args.node_timeout, tmp)
-                out.append(r)
-                print(f"{kind:11s} N={n:5d}  formed {r['formed_s']:6.2f}s  fault->GO first {r['first_go_s']:.3f}s "
-                      f"last {r['last_go_s']:.3f}s  round ops {r['round_ops']:7d} ({r['round_ops_per_agent']:.1f}/agent)"
-                      f"  background {r['bg_ops_per_agent_per_period']:.1f} ops/agent/period", flush=True)
+            for mode in modes:
+                for n in ns:
+                    r = measure(kind, n, args.rounds, args.node_timeout, tmp, mode)
+                    out.append(r)
+                    print(f"{kind:11s} {mode:6s} N={n:5d}  formed {r['formed_s']:6.2f}s  fault->GO first "
+                          f"{r['first_go_s']:.3f}s last {r['last_go_s']:.3f}s  round ops {r['round_ops']:7d} "
+                          f"({r['round_ops_per_agent']:.1f}/agent)  background "
+                          f"{r['bg_ops_per_agent_per_period']:.1f} ops/agent/period", flush=True)
     fits: dict[str, Any] = {}
     for kind in kinds:
-        rows = [r for r in out if r["store"] == kind]
-        if len(rows) < 2:
-            continue
-        x = [r["nodes"] for r in rows]
-        for key in ("round_ops", "last_go_s", "bg_ops_per_agent_per_period"):
-            a, b = fit(x, [r[key] for r in rows])
-            fits[f"{kind}/{key}"] = dict(a=a, b=b, at_1000=a * 1000 ** b, at_10000=a * 10000 ** b)
-            print(f"{kind:11s} {key:28s} ~ {a:.4g} * N^{b:.2f}:  N=1,000 -> {a * 1000 ** b:.4g}   "
-                  f"N=10,000 -> {a * 10000 ** b:.4g}")
+        for mode in modes:
+            rows = [r for r in out if r["store"] == kind and r["mode"] == mode]
+            if len(rows) < 2:
+                continue
+            x = [r["nodes"] for r in rows]
+            name = kind if mode == "now" else f"{kind}-{mode}"
+            for key in ("round_ops", "bg_ops_per_agent_per_period"):
+                a, b = fit_power(x, [r[key] for r in rows])
+                fits[f"{name}/{key}"] = dict(law=f"{a:.4g} * N^{b:.2f}", at_1000=a * 1000 ** b,
+                                             at_10000=a * 10000 ** b)
+            for key in ("last_go_s", "formed_s"):
+                a, b = fit_line(x, [r[key] for r in rows])
+                fits[f"{name}/{key}"] = dict(law=f"{a:.4g} + {b:.4g} * N", at_1000=a + b * 1000,
+                                             at_10000=a + b * 10000)
+            for key, f in fits.items():
+                if key.startswith(name + "/"):
+                    print(f"{key:40s} ~ {f['law']:22s}  N=1,000 -> {f['at_1000']:.4g}   "
+                          f"N=10,000 -> {f['at_10000']:.4g}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(results=out, fits=fits), f, indent=1)

@@ -13,7 +13,7 @@ from test_membership import Loops, lease, loss_of, prefixed, records_on, silent_
 
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.coordination.membership import MemberRecords, Membership, tombstone
-from hyperpodrun.agent.coordination.owner import OwnerElection, Ownership, Verdict
+from hyperpodrun.agent.coordination.owner import OwnerElection, Ownership, Verdict, electing
 from hyperpodrun.agent.coordination.signed_records import SignedRecords
 from hyperpodrun.agent.coordination.store_schema import Owner
 from hyperpodrun.agent.ports import KVStore, Posted
@@ -124,7 +124,8 @@ def elected(raw: KVStore, node: int, nnodes: int, clock: FakeClock, posted: list
             store: Optional[KVStore] = None) -> Membership:
     m = Membership(lambda: store or prefixed(raw), lambda s: SignedRecords(s, KEY, RUN, lambda name: None),
                    posted.append, node=node, nnodes=nnodes, incarnation=f"inc{node}", node_timeout=TIMEOUT,
-                   watch_all=False, news=True, elect=True, clock=clock.monotonic)
+                   watch_all=False, news=True, elect=electing(node, f"inc{node}", TIMEOUT, clock.monotonic),
+                   clock=clock.monotonic)
     setattr(m, "_stop", passes)
     return m
 
