@@ -161,7 +161,7 @@ class MemberRecords:
 class Elector(Protocol):
     """The owner election an agent takes part in when no agent hosts the store (agent/coordination/owner.py)."""
 
-    def step(self) -> tuple[bool, Optional[tuple[int, str, str]]]: ...
+    def step(self, after_reads: Callable[[], object]) -> tuple[bool, Optional[tuple[int, str, str]]]: ...
 
     def grace(self, now: float) -> None: ...
 
@@ -227,6 +227,16 @@ class Membership(threading.Thread):
         joins_told: set[tuple[int, str]] = set()
         once: set[tuple[Any, ...]] = set()
         count, restarts = 0, self._reconnects()
+
+        def reconnected() -> None:
+            """Called after the reads that may have reconnected: a store that came back empty meanwhile gives
+            every lease a whole timeout again (LeaseWatch.grace), the owner's included."""
+            nonlocal restarts
+            if self._reconnects() != restarts:
+                restarts = self._reconnects()
+                for w in (watch, election):
+                    if w is not None:
+                        w.grace(self._clock())
         while not self._stop.is_set():
             try:
                 holder = members.holder(self.node)
@@ -237,7 +247,7 @@ class Membership(threading.Thread):
                 members.renew(self.node, self.incarnation, count)
                 events: list[Posted] = []
                 if election is not None:
-                    owner, lost = election.step()
+                    owner, lost = election.step(reconnected)
                     if owner and watch is None:       # elected: watch every lease from now on
                         watch = LeaseWatch(self.node, self.nnodes, self.timeout)
                         events.append(("owner", self.node))
@@ -245,15 +255,10 @@ class Membership(threading.Thread):
                         watch = None                  # another agent owns the duties (or took them over)
                     if lost is not None:              # the old owner's lease stopped moving: its loss
                         events.append(("node_lost", lost))
-                if self._reconnects() != restarts:   # read after the calls that may have reconnected
-                    restarts = self._reconnects()
-                    if watch is not None:
-                        watch.grace(self._clock())
-                    if election is not None:
-                        election.grace(self._clock())
                 if watch is not None:
                     nodes = list(self.nodes())
                     state = {n: (members.holder(n), members.lease(n)) for n in nodes if n != self.node}
+                    reconnected()
                     events += watch.observe(self._clock(), state)
                     if self.elastic:
                         events += self._joining(members, nodes, joins_told)

@@ -91,14 +91,17 @@ class Ownership:
         value = self.members.records.read(K.OWNER)
         return Owner.model_validate_json(value) if value else None
 
-    def step(self) -> tuple[bool, Optional[Lost]]:
-        """One look (and a bid when due): (this agent is the owner now, the old owner's loss to declare)."""
+    def step(self, after_reads: Callable[[], object] = lambda: None) -> tuple[bool, Optional[Lost]]:
+        """One look (and a bid when due): (this agent is the owner now, the old owner's loss to declare).
+        `after_reads` runs between the reads and the verdict: Membership's check for a coordinator that came
+        back empty meanwhile, which must give the owner's lease its grace before it is judged."""
         records = self.members.records
         seen = records.read(K.OWNER)
         current = Owner.model_validate_json(seen) if seen else None
         holder, lease = None, None
         if current is not None and current != self.election.me:
             holder, lease = self.members.holder(current.node), self.members.lease(current.node)
+        after_reads()
         verdict = self.election.observe(self._clock(), current, holder, lease)
         if not verdict.bid:
             return verdict.owner, None
