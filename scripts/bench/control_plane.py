@@ -184,6 +184,19 @@ class SimAgent:
         watcher.stop()
 
 
+#: the agents' process is saturated past this many cores (one interpreter: the GIL): its times are its own then
+SATURATED = 0.85
+
+
+def cpu_seconds(proc: Optional["subprocess.Popen[bytes]"]) -> float:
+    """CPU seconds the store's process has used (user + system, /proc): its cost per operation."""
+    if proc is None:
+        return 0.0
+    with open(f"/proc/{proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -277,9 +290,13 @@ def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str, mode:
         wait_for(lambda: any(a.owner for a in agents) or kind == "node" or mode == "before", 30, "electing an owner", agents)
         period = lease_interval(node_timeout)
         time.sleep(period)                 # let the first passes (bids, first reads) settle
-        bg0, w0 = sum(c.count for a in agents for c in a.bg), time.monotonic()
+        bg0, w0, cpu0, store0 = sum(c.count for a in agents for c in a.bg), time.monotonic(), time.process_time(), \
+            cpu_seconds(proc)
         time.sleep(3 * period)             # a quiet window: only leases, the owner's watch and the Watchers
-        bg = (sum(c.count for a in agents for c in a.bg) - bg0) / ((time.monotonic() - w0) / period) / n
+        ops, wall = sum(c.count for a in agents for c in a.bg) - bg0, time.monotonic() - w0
+        bg = ops / (wall / period) / n
+        sim_cpu = (time.process_time() - cpu0) / wall      # cores this process used for the agents
+        store_us = (cpu_seconds(proc) - store0) / ops * 1e6 if proc is not None and ops else None
         results = []
         for i in range(rounds):
             gen = i + 1
@@ -292,7 +309,8 @@ def measure(kind: str, n: int, rounds: int, node_timeout: float, tmp: str, mode:
             results.append(dict(first_go_s=min(gos), last_go_s=max(gos), round_ops=ops, round_ops_per_agent=ops / n))
             time.sleep(0.3)
         med = sorted(results, key=lambda r: r["last_go_s"])[len(results) // 2]
-        return dict(store=kind, mode=mode, nodes=n, formed_s=formed, bg_ops_per_agent_per_period=bg, lease_period_s=period,
+        return dict(store=kind, mode=mode, nodes=n, formed_s=formed, sim_cpu=sim_cpu, saturated=sim_cpu > SATURATED,
+                    store_cpu_us_per_op=store_us, bg_ops_per_agent_per_period=bg, lease_period_s=period,
                     **med, rounds=results)
     finally:
         setattr(Coordinator, "_count", count)
@@ -362,11 +380,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"{kind:11s} {mode:6s} N={n:5d}  formed {r['formed_s']:6.2f}s  fault->GO first "
                           f"{r['first_go_s']:.3f}s last {r['last_go_s']:.3f}s  round ops {r['round_ops']:7d} "
                           f"({r['round_ops_per_agent']:.1f}/agent)  background "
-                          f"{r['bg_ops_per_agent_per_period']:.1f} ops/agent/period", flush=True)
+                          f"{r['bg_ops_per_agent_per_period']:.1f} ops/agent/period  agents' CPU {r['sim_cpu']:.2f}"
+                          + (f"  store {r['store_cpu_us_per_op']:.0f} us/op" if r["store_cpu_us_per_op"] else "")
+                          + ("  SATURATED (not fitted)" if r["saturated"] else ""), flush=True)
     fits: dict[str, Any] = {}
     for kind in kinds:
         for mode in modes:
-            rows = [r for r in out if r["store"] == kind and r["mode"] == mode]
+            rows = [r for r in out if r["store"] == kind and r["mode"] == mode and not r["saturated"]]
             if len(rows) < 2:
                 continue
             x = [r["nodes"] for r in rows]
@@ -379,6 +399,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 a, b = fit_line(x, [r[key] for r in rows])
                 fits[f"{name}/{key}"] = dict(law=f"{a:.4g} + {b:.4g} * N", at_1000=a + b * 1000,
                                              at_10000=a + b * 10000)
+            us = [r["store_cpu_us_per_op"] for r in rows if r["store_cpu_us_per_op"]]
+            if us:   # the store's own load at scale: background ops per second x its CPU per op
+                per_s = sum(r["bg_ops_per_agent_per_period"] / r["lease_period_s"] for r in rows) / len(rows)
+                cost = sorted(us)[len(us) // 2] * 1e-6
+                fits[f"{name}/store_cores_busy"] = dict(law=f"{per_s:.1f} ops/s x {cost * 1e6:.0f} us x N",
+                                                        at_1000=per_s * cost * 1000, at_10000=per_s * cost * 10000)
             for key, f in fits.items():
                 if key.startswith(name + "/"):
                     print(f"{key:40s} ~ {f['law']:22s}  N=1,000 -> {f['at_1000']:.4g}   "
