@@ -31,6 +31,7 @@ RDZV_COUNTER = "rdzv/counter"          # c10d: node ranks in join order (atomic 
 RDZV_JOINED = "rdzv/joined"            # how many agents have joined (atomic add)
 RDZV_READY = "rdzv/ready"              # set by the last agent to join
 RDZV_SIZE = "rdzv/size"                # elastic c10d: how many nodes the job formed with (first claim wins)
+RDZV_NPROCS = "rdzv/nprocs"            # fixed size: every node's worker count (JSON list), set with RDZV_READY
 
 
 def is_plain(key: str) -> bool:
