@@ -183,7 +183,9 @@ class Coordinator:
         self._mark(K.LEFT)
 
     def left_count(self, nodes: Optional[Sequence[int]] = None) -> int:
-        return self._count(K.LEFT, nodes)
+        """Read by the store host alone (node.py), which may be neither the lowest node nor the last to leave:
+        it reads the marks itself - N reads per pass, for one agent."""
+        return self.records.count(K.LEFT, list(nodes or self._nodes()))
 
     def _mark(self, name: str, on: bool = True) -> None:
         counted = self.records.mark(name, self.node_rank, on)

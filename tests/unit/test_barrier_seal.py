@@ -94,3 +94,11 @@ def test_a_barrier_of_n_agents_costs_the_store_o_n_operations():
                 assert c.ready_count(5) == n
         per_agent = (sum(c.ops for c in conns) - start) / n
         assert per_agent < 10, (n, per_agent)
+
+
+def test_the_left_count_is_read_in_full_by_whoever_asks():
+    """Only the store host reads it (node.py), and it need not be the lowest node nor the last to leave."""
+    coords, _ = agents(3)
+    for c in coords:
+        c.mark_left()
+    assert coords[1].left_count() == 3
