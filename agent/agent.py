@@ -37,6 +37,7 @@ from hyperpodrun.agent.inprocess import InProcess
 from hyperpodrun.agent.node import Node
 from hyperpodrun.agent.ports import KVStore, Posted, RendezvousInfo, SystemClock
 from hyperpodrun.agent.coordination.membership import Membership
+from hyperpodrun.agent.coordination.owner import electing
 from hyperpodrun.agent.coordination.rendezvous import JobOver, RendezvousInterrupted, hostname, rendezvous
 from hyperpodrun.agent.state import IllegalTransition
 from hyperpodrun.agent.workers.supervisor import Reaper, Supervisor, become_subreaper
@@ -286,7 +287,8 @@ class Agent:
 
     def _start_membership(self) -> None:
         """Several nodes: renew this node's lease and watch the others' (agent/coordination/membership.py), from the moment
-        the node is built - before the pre-train script, which may take long."""
+        the node is built - before the pre-train script, which may take long. The store host watches every
+        lease; without one (a coordinator, etcd) the agent elected owner does (agent/coordination/owner.py)."""
         rdzv, coord = self.rdzv, self.coord
         assert rdzv is not None and coord is not None
         if rdzv.single_node:
@@ -294,7 +296,9 @@ class Agent:
         self.membership = Membership(self._helper_store(), lambda store: coord.view(store).records, self.inbox.post,
                                      node=rdzv.node_rank, nnodes=self.cfg.nnodes, incarnation=rdzv.incarnation,
                                      node_timeout=self.cfg.node_timeout,
-                                     watch_all=rdzv.store_host or rdzv.coordinator, news=rdzv.coordinator,
+                                     watch_all=rdzv.store_host, news=rdzv.coordinator,
+                                     elect=electing(rdzv.node_rank, rdzv.incarnation, self.cfg.node_timeout)
+                                     if rdzv.coordinator else None,
                                      nodes=lambda: rdzv.nodes, elastic=self.cfg.elastic,
                                      reconnects=(lambda: link.reconnects) if (link := rdzv.link) else None)
         self.membership.start()

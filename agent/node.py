@@ -140,6 +140,8 @@ class Node:
         elif kind == "node_joining":
             if self.inproc is not None and self.cfg.elastic:
                 self.inproc.want_join(*value)
+        elif kind == "owner":   # elected through the coordination store (agent/coordination/owner.py)
+            self.events.emit("owner", f"node {value} now watches every node's lease and declares the losses", node=value)
         elif kind == "spare":
             self.events.emit("spare_waiting", f"hot spare {value[0]} on {value[1]} is waiting (not in the world "
                              "size); it takes over the next node that is lost", incarnation=value[0], spare_host=value[1])
@@ -175,8 +177,7 @@ class Node:
 
     def _on_node_joined(self, node: int, incarnation: str) -> None:
         if self.inproc is not None and self.inproc.node_joined(node):
-            self.events.emit("node_replaced", f"node {node} taken over by a new agent (incarnation {incarnation}): "
-                             "waiting for its ranks", node=node)
+            self.events.emit("node_replaced", f"node {node} taken over by agent {incarnation}: waiting for its ranks", node=node)
 
     def _on_fenced(self, holder: str) -> None:
         """This agent was declared lost and another holds its node rank: stop everything, change nothing."""

@@ -137,7 +137,7 @@ class RendezvousInfo:
     previous_world_size: Optional[int] = None   # the world size before the newest layout change
     layout_generation: int = -1              # the generation of the layout this agent started on (-1: as formed)
     # the coordination store is a standalone coordinator (agent/coordination/coordinator.py): no agent hosts
-    # it; each generation's workers' store is hosted by the agent that claims it, every agent watches leases
+    # it; each generation's workers' store is hosted by the agent that claims it, an elected owner watches leases
     coordinator: bool = False
     link: Optional["StoreLink"] = None      # with a coordinator: connections that survive its restart
 

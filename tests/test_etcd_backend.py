@@ -115,3 +115,11 @@ def test_every_etcd_member_lost_past_the_deadline_ends_the_job(launcher, tmp_pat
         assert "Traceback" not in err, err[-3000:]
         assert len([line for line in err.splitlines() if "no etcd member" in line and "answers (" in line]) <= 1
     assert not launcher.leftovers(), info
+
+
+def test_etcd_owner_node_lost_whole_and_replaced(launcher, tmp_path, reference, etcd):  # noqa: F811
+    """With etcd, the node whose agent was elected (compare-and-set on a key) to watch every lease is killed
+    whole: the other agent takes the duty over and the job ends bitwise equal (test_standalone_coordinator)."""
+    from test_standalone_coordinator import lose_the_owner
+    job = EtcdJob(launcher, tmp_path, "etcd-owner", etcd)
+    lose_the_owner(job, job.start_both(), reference)

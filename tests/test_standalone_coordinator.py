@@ -126,3 +126,45 @@ def test_node_zero_lost_whole_and_replaced(launcher, tmp_path, two_jobs):
     claims = dist.PrefixStore(K.run_prefix(job.name), store)   # generation 1's workers' store: on the survivor
     assert b"=node1:" in bytes(claims.get(K.worker_store_host(1))), info
     assert_same_state(jobs[0].out, job.out)
+
+
+def lose_the_owner(job: Cluster, nodes: tuple, reference: Path) -> None:
+    """Kill whole the node whose agent owns the lease watch (agent/coordination/owner.py) mid-training and start
+    its command again: the survivor takes the watch over, declares the owner's node lost itself, both agents
+    exit 0, the survivor's ranks keep their processes, and the state is bitwise equal to `reference`."""
+    def owner() -> object:
+        found = [n for n in nodes if n.events("owner")]
+        return found[0] if len(found) == 1 else None
+    wait_until(owner, 60, message="one agent owns the lease watch")
+    job.wait_step(KILL_AT)
+    boss = owner()
+    assert boss is not None, job.describe()
+    lost_node = boss.events("owner")[0]["node"]
+    survivor = next(n for n in nodes if n is not boss)
+    boss.kill()
+    assert boss.wait(30) != 0
+    replacement = job.start(lost_node, label="replacement")
+    codes = [survivor.wait(180), replacement.wait(180)]
+    info = job.describe()
+    assert codes == [0, 0], info
+    lost_ranks = (0, 1) if lost_node == 0 else (2, 3)
+    assert_survivors_kept_processes(job, lost_ranks=lost_ranks, generations=(0, 1))
+    took = survivor.events("owner")
+    assert took and took[0]["node"] == 1 - lost_node, info              # the survivor took the watch over
+    lost = survivor.events("node_lost")
+    assert lost and lost[0]["node"] == lost_node and f"by node {1 - lost_node}" in lost[0]["msg"], info
+    assert replacement.events("replacing"), info
+    assert_same_state(reference, job.out)
+
+
+@namespaced
+def test_the_owner_node_lost_whole_and_replaced(launcher, tmp_path, two_jobs):
+    """With a coordinator, the node whose agent was elected to watch every lease is killed whole: the other
+    agent notices the owner's lease stop, takes the duty over, declares the node lost, and the job ends
+    bitwise equal to the fault-free run (lose_the_owner)."""
+    port, jobs, _, _ = two_jobs
+    job = on_coordinator(launcher, tmp_path, "lose-owner", port)
+    node0 = job.start(0)
+    wait_until(lambda: "node 0 waiting" in node0.proc.err(), 60, message="node 0 joined")
+    node1 = job.start(1)
+    lose_the_owner(job, (node0, node1), jobs[0].out)

@@ -15,7 +15,8 @@ and no more (docs/security.md). Each job's keys live under its own run prefix (`
 
 How the agents tell it from a node-hosted store: `MARKER` is set, outside every run's prefix, before the
 port accepts an agent; an agent that finds it hosts no coordination store, hosts the workers' store of the
-generations it claims, and watches every lease itself (agent/coordination/rendezvous.py).
+generations it claims, and takes part in electing the agent that watches every lease
+(agent/coordination/owner.py).
 
 It keeps no worker stores (each generation's is hosted by a live agent and published here), so the
 coordinator needs one port. It keeps nothing the agents cannot supply again: killed and started again at the

@@ -4,8 +4,9 @@ keeps the job's coordination records (agent/coordination/etcd_store.py) - no age
 Why a backend of its own, and so little: etcd takes the place of the standalone coordinator
 (agent/coordination/coordinator.py), so the agents behave as they do with one - node ranks in join order
 (as torchrun's c10d and etcd rendezvous hand them out), a node's command started again (or a hot spare)
-takes over a lost node's rank, every agent watches every lease, and each generation's workers' store is
-hosted by the live agent that claims it, never by etcd. What differs is only how the store is reached: the
+takes over a lost node's rank, one agent elected through etcd (a compare-and-set on a key:
+agent/coordination/owner.py) watches every lease, and each generation's workers' store is hosted by the live
+agent that claims it, never by etcd. What differs is only how the store is reached: the
 members in turn, the outage bounded by --rdzv-conf coordinator_timeout - and nothing to write back after an
 outage, as etcd keeps its records through the loss of any minority of its members.
 """

@@ -23,7 +23,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from hyperpodrun.agent.coordination import store_schema as K
 from hyperpodrun.agent.coordination.signed_records import SignedRecords
@@ -158,6 +158,14 @@ class MemberRecords:
         return None
 
 
+class Elector(Protocol):
+    """The owner election an agent takes part in when no agent hosts the store (agent/coordination/owner.py)."""
+
+    def step(self, after_reads: Callable[[], object]) -> tuple[bool, Optional[tuple[int, str, str]]]: ...
+
+    def grace(self, now: float) -> None: ...
+
+
 class Membership(threading.Thread):
     """Renews this node's lease and learns of lost and replaced nodes, over its own store connection; posts:
 
@@ -167,19 +175,22 @@ class Membership(threading.Thread):
     ("spare", (incarnation, host))           a hot spare waits (store host only)
     ("node_joining", (node, NodeJoin))       an elastic newcomer holds unused node rank `node` (store host only)
 
-    Only the agent that hosts the coordination store (`watch_all`) reads every lease - locally, as its store
-    is in-process - and declares the losses (agent/node.py); every other agent reads one record, the list of
-    declared losses, so the store's load per renewal interval grows with the number of nodes, not its square.
-    With a standalone coordinator no agent hosts the store, and any node may be the one lost: every agent
-    then watches every lease and also follows the declared losses (`news`), each event told once - the
-    store's load then grows with the square of the number of nodes (docs/deployment.md says so).
+    ("owner", node)                          this agent was elected to watch every lease (`elect` only)
+
+    Only one agent reads every lease and declares the losses (agent/node.py): the one that hosts the
+    coordination store (`watch_all`) - locally, as its store is in-process - or, with a standalone
+    coordinator or etcd (`elect`), the owner elected through the store (agent/coordination/owner.py), which
+    also follows the declared losses (`news`: it may have been elected after some). Every other agent reads
+    the list of declared losses (and, with `elect`, the owner's record and lease), so the store's load per
+    renewal interval grows with the number of nodes, not its square.
     """
 
     def __init__(self, open_store: Callable[[], KVStore], records: Callable[[KVStore], SignedRecords],
                  post: Callable[[Posted], None], *, node: int, nnodes: int, incarnation: str,
                  node_timeout: float, watch_all: bool, clock: Callable[[], float] = time.monotonic,
                  nodes: Optional[Callable[[], Sequence[int]]] = None, elastic: bool = False,
-                 news: bool = False, reconnects: Optional[Callable[[], int]] = None) -> None:
+                 news: bool = False, elect: Optional[Callable[[MemberRecords], Elector]] = None,
+                 reconnects: Optional[Callable[[], int]] = None) -> None:
         super().__init__(name="hyperpodrun-membership", daemon=True)
         self._open_store = open_store
         self._records = records
@@ -191,7 +202,8 @@ class Membership(threading.Thread):
         self.incarnation = incarnation
         self.timeout = node_timeout
         self.watch_all = watch_all
-        self.news = news                    # with watch_all: follow the declared losses too (coordinator)
+        self.news = news                    # while watching: follow the declared losses too (coordinator)
+        self.elect = elect                  # no agent hosts the store: watch every lease while elected owner
         self.interval = lease_interval(node_timeout)
         self._clock = clock
         # how many times a standalone coordinator came back empty (agent/coordination/reconnect.py): each time,
@@ -209,11 +221,22 @@ class Membership(threading.Thread):
             log.debug("membership: no store connection (%s)", exc)
             return
         watch = LeaseWatch(self.node, self.nnodes, self.timeout) if self.watch_all else None
+        election = self.elect(members) if self.elect is not None else None
         told = LossNews(self.node)
         spares_told: set[Any] = set()
         joins_told: set[tuple[int, str]] = set()
         once: set[tuple[Any, ...]] = set()
         count, restarts = 0, self._reconnects()
+
+        def reconnected() -> None:
+            """Called after the reads that may have reconnected: a store that came back empty meanwhile gives
+            every lease a whole timeout again (LeaseWatch.grace), the owner's included."""
+            nonlocal restarts
+            if self._reconnects() != restarts:
+                restarts = self._reconnects()
+                for w in (watch, election):
+                    if w is not None:
+                        w.grace(self._clock())
         while not self._stop.is_set():
             try:
                 holder = members.holder(self.node)
@@ -222,30 +245,35 @@ class Membership(threading.Thread):
                     return                      # and renew nothing: the rank is someone else's now
                 count += 1
                 members.renew(self.node, self.incarnation, count)
+                events: list[Posted] = []
+                if election is not None:
+                    owner, lost = election.step(reconnected)
+                    if owner and watch is None:       # elected: watch every lease from now on
+                        watch = LeaseWatch(self.node, self.nnodes, self.timeout)
+                        events.append(("owner", self.node))
+                    elif not owner:
+                        watch = None                  # another agent owns the duties (or took them over)
+                    if lost is not None:              # the old owner's lease stopped moving: its loss
+                        events.append(("node_lost", lost))
                 if watch is not None:
                     nodes = list(self.nodes())
                     state = {n: (members.holder(n), members.lease(n)) for n in nodes if n != self.node}
-                    if self._reconnects() != restarts:   # read after the calls that may have reconnected
-                        restarts = self._reconnects()
-                        watch.grace(self._clock())
-                    events = watch.observe(self._clock(), state)
+                    reconnected()
+                    events += watch.observe(self._clock(), state)
                     if self.elastic:
                         events += self._joining(members, nodes, joins_told)
                     for spare in members.spares():
                         if spare.get("incarnation") not in spares_told:
                             spares_told.add(spare.get("incarnation"))
                             events.append(("spare", (spare.get("incarnation"), spare.get("host"))))
-                    if self.news:
-                        events += told.observe(members.losses(), members.holder)
-                else:
-                    events = told.observe(members.losses(), members.holder)
+                if watch is None or self.news:
+                    events += told.observe(members.losses(), members.holder)
                 for event in once_each(events, once):
                     self._post(event)
             except Exception as exc:  # the store host is gone: the watcher reports it; stop renewing
                 log.debug("membership: store unreachable (%s)", exc)
                 return
             self._stop.wait(self.interval)
-
 
     def _joining(self, members: MemberRecords, nodes: list[int], told: set[tuple[int, str]]) -> list[Posted]:
         """Newcomers of an elastic job: an unused node rank held by the incarnation that asked to join."""

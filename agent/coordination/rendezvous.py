@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import json
 import logging
 from dataclasses import dataclass
 import socket
@@ -179,7 +180,8 @@ class _StoreRendezvous(abc.ABC):
             counts = dict(layout.nodes)
         else:
             size = int(store.get(K.RDZV_SIZE)) if cfg.elastic else cfg.nnodes
-            counts = {i: int(store.get(K.rdzv_nproc(i))) for i in range(size)}
+            listed = None if cfg.elastic or not store.check([K.RDZV_NPROCS]) else json.loads(store.get(K.RDZV_NPROCS))
+            counts = {i: int(listed[i]) if listed else int(store.get(K.rdzv_nproc(i))) for i in range(size)}
         if seat.replacing is not None and counts.get(node_rank) != cfg.nproc_per_node:
             raise RendezvousError(f"this agent replaces node {node_rank}, which ran {counts.get(node_rank)} "
                                   f"worker(s); start it with --nproc-per-node {counts.get(node_rank)}")
@@ -198,7 +200,8 @@ class _StoreRendezvous(abc.ABC):
                        stop_requested: Callable[[], bool]) -> None:
         """The job's start, fixed size: say this node's worker count and wait until every node has joined."""
         store.set(K.rdzv_nproc(node_rank), str(cfg.nproc_per_node))
-        if store.add(K.RDZV_JOINED, 1) == cfg.nnodes:
+        if store.add(K.RDZV_JOINED, 1) == cfg.nnodes:   # the last to join lists every count: one read for each
+            store.set(K.RDZV_NPROCS, json.dumps([int(store.get(K.rdzv_nproc(n))) for n in range(cfg.nnodes)]))
             store.set(K.RDZV_READY, "1")
         log.info("node %d waiting for %d node(s) at %s (up to %.0fs)", node_rank, cfg.nnodes, host,
                  cfg.join_timeout)

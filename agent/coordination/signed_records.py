@@ -68,6 +68,9 @@ class SignedRecords:
         return value
 
     def _raw(self, name: str) -> bytes:
+        read_now = getattr(self.store, "read_now", None)   # etcd: one request (etcd_store.EtcdStore.read_now)
+        if read_now is not None:
+            return bytes(read_now(name) or b"")
         return bytes(self.store.get(name)) if self.store.check([name]) else b""
 
     def read(self, name: str) -> Optional[str]:
@@ -119,17 +122,32 @@ class SignedRecords:
                              "(something outside the job writes it)")
 
     # ------------------------------------------------------------ per-node marks with a counter as hint
-    def mark(self, name: str, node: int, on: bool = True) -> None:
-        """Set (or take back) this node's signed mark `name`; the plain counter `name` moves with it."""
+    def mark(self, name: str, node: int, on: bool = True) -> int:
+        """Set (or take back) this node's signed mark `name`; the plain counter `name` moves with it (returned:
+        the count this mark made). Taking a mark back also breaks the seal (`count`)."""
         self.write(K.node_mark(name, node), "1" if on else "0")
-        self.store.add(name, 1 if on else -1)
+        counted = int(self.store.add(name, 1 if on else -1))
+        if not on and self.store.check([K.sealed(name)]):
+            self.write(K.sealed(name), "")
+        return counted
 
-    def count(self, name: str, nodes: Sequence[int]) -> int:
+    def count(self, name: str, nodes: Sequence[int], verify: bool = True) -> int:
         """How many of `nodes` set mark `name`. The counter says when it is worth checking the signed marks: below
-        len(nodes) it is returned as is (an upper bound: it may include nodes outside the job that marked)."""
+        len(nodes) it is returned as is (an upper bound: it may include nodes outside the job that marked).
+
+        Once the marks of every node are verified, that is said once in a signed *seal* (the nodes it covers),
+        and whoever counts next reads that one record instead of N marks: with every agent of a round asking,
+        reading the marks each would cost the store N*N reads per round. An agent that should not read the
+        marks itself (`verify` False: another is to seal them) gets len(nodes) - 1 while the counter says
+        complete and no seal is there yet."""
+        sealed = self.read(K.sealed(name))
+        if sealed and set(nodes) <= {int(n) for n in sealed.split(",")}:
+            return len(nodes)
         hint = int(self.store.add(name, 0))
         if hint < len(nodes):
             return max(hint, 0)
+        if not verify:
+            return len(nodes) - 1
         marked = 0
         for node in nodes:
             if self._marked(name, node):
@@ -139,6 +157,8 @@ class SignedRecords:
             outside = [n for n in range(max(nodes, default=-1) + 1 + hint) if n not in nodes]
             if marked + sum(self._marked(name, n) for n in outside) < hint:
                 self._forged(name)
+        if nodes and marked == len(nodes):
+            self.write(K.sealed(name), ",".join(str(n) for n in sorted(nodes)))
         return marked
 
     def _marked(self, name: str, node: int) -> bool:

@@ -31,6 +31,7 @@ RDZV_COUNTER = "rdzv/counter"          # c10d: node ranks in join order (atomic 
 RDZV_JOINED = "rdzv/joined"            # how many agents have joined (atomic add)
 RDZV_READY = "rdzv/ready"              # set by the last agent to join
 RDZV_SIZE = "rdzv/size"                # elastic c10d: how many nodes the job formed with (first claim wins)
+RDZV_NPROCS = "rdzv/nprocs"            # fixed size: every node's worker count (JSON list), set with RDZV_READY
 
 
 def is_plain(key: str) -> bool:
@@ -104,6 +105,7 @@ def node_lease(node_rank: int) -> str:
 
 NODE_LOSSES = "member/losses"          # a JSON list of every NodeLoss declared (the other agents read only this)
 SPARES = "member/spares"               # a JSON list of the hot spares waiting: {"incarnation", "host", "since"}
+OWNER = "member/owner"                 # an Owner: the agent that watches every lease (agent/coordination/owner.py)
 
 
 def node_lost(node_rank: int, incarnation: str) -> str:
@@ -138,6 +140,11 @@ LEFT = "left"                          # mark: the node has read the job's resul
 def done(generation: int) -> str:
     """Mark: every local worker of the node succeeded in `generation`."""
     return f"done/{generation}"
+
+
+def sealed(name: str) -> str:
+    """The seal of mark `name`: the node ranks whose marks were all verified set (signed_records.count)."""
+    return f"{name}/sealed"
 
 
 def node_mark(name: str, node_rank: int) -> str:
@@ -215,6 +222,16 @@ class NodeLease(BaseModel):
 
     incarnation: str
     count: int
+
+
+class Owner(BaseModel):
+    """The agent elected to carry the host-only duties (watching every lease, declaring losses) when no agent
+    hosts the store: its node rank and incarnation; it holds the duty while it holds the rank and renews."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    node: int
+    incarnation: str
 
 
 class NodeLoss(BaseModel):
