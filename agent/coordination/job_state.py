@@ -257,7 +257,7 @@ class Watcher(threading.Thread):
         self._post = post
         self._interval = interval
         self._view = view
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         try:
@@ -268,7 +268,7 @@ class Watcher(threading.Thread):
         seen_gen = -1
         failed_sent = False
         passes = 0
-        while not self._stop.wait(self._interval):
+        while not self._halt.wait(self._interval):
             try:
                 full = passes % FULL_READ_EVERY == 0
                 passes += 1
@@ -283,9 +283,9 @@ class Watcher(threading.Thread):
                         failed_sent = True
                         self._post(("failed", failed))
             except Exception as exc:
-                if not self._stop.is_set():
+                if not self._halt.is_set():
                     self._post(("store_lost", str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
                 return
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()

@@ -209,10 +209,10 @@ class Membership(threading.Thread):
         # how many times a standalone coordinator came back empty (agent/coordination/reconnect.py): each time,
         # every lease vanished with it and none could be renewed meanwhile - the watch starts over
         self._reconnects = reconnects or (lambda: 0)
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         try:
@@ -237,7 +237,7 @@ class Membership(threading.Thread):
                 for w in (watch, election):
                     if w is not None:
                         w.grace(self._clock())
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 holder = members.holder(self.node)
                 if holder is not None and holder != self.incarnation:
@@ -273,7 +273,7 @@ class Membership(threading.Thread):
             except Exception as exc:  # the store host is gone: the watcher reports it; stop renewing
                 log.debug("membership: store unreachable (%s)", exc)
                 return
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def _joining(self, members: MemberRecords, nodes: list[int], told: set[tuple[int, str]]) -> list[Posted]:
         """Newcomers of an elastic job: an unused node rank held by the incarnation that asked to join."""

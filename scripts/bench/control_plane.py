@@ -147,8 +147,8 @@ class SimAgent:
                                 elect=electing(rdzv.node_rank, rdzv.incarnation, cfg.node_timeout)
                                 if rdzv.coordinator and not self.before else None)
         watcher = Watcher(self._open(open_store), self.inbox.put, cfg.monitor_interval, view=coord.view)
-        for helper in (membership, watcher):   # their run() ends once stopped: noted here (their `_stop`
-            self.helpers.append(helper)          # event hides threading's, so join() cannot be used on them)
+        for helper in (membership, watcher):   # their run() ends once stopped: noted here, so the end of
+            self.helpers.append(helper)          # the run can wait on every agent's helpers with one deadline
             self.ended.append(ended := threading.Event())
             setattr(helper, "run", functools.partial(_noting_the_end, helper.run, ended))
             helper.start()

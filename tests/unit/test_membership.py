@@ -235,7 +235,7 @@ def membership_of(raw: KVStore, node: int, nnodes: int, incarnation: str, clock:
                    lambda store: SignedRecords(store, KEY, RUN, lambda name: None), posted.append,
                    node=node, nnodes=nnodes, incarnation=incarnation, node_timeout=NODE_TIMEOUT,
                    watch_all=watch_all, clock=clock.monotonic)
-    setattr(m, "_stop", passes)
+    setattr(m, "_halt", passes)
     return m
 
 

@@ -126,7 +126,7 @@ def elected(raw: KVStore, node: int, nnodes: int, clock: FakeClock, posted: list
                    posted.append, node=node, nnodes=nnodes, incarnation=f"inc{node}", node_timeout=TIMEOUT,
                    watch_all=False, news=True, elect=electing(node, f"inc{node}", TIMEOUT, clock.monotonic),
                    clock=clock.monotonic)
-    setattr(m, "_stop", passes)
+    setattr(m, "_halt", passes)
     return m
 
 
