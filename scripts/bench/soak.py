@@ -296,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             steps_and_goodput(job.out, res)
             if system == "hyperpodrun":
                 import soak_report
-                res["exact"] = soak_report.replay_and_compare(work, job.out, res["stop_at"], env, flags, a.log_fs_mb)
+                res["exact"] = soak_report.replay_and_compare(work, job.out, res["stop_at"], env)
                 res["flat"] = soak_procs.flatness(res["samples"], a.minutes * 60, a.warmup + 30)
             results.append(res)
     finally:

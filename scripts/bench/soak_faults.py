@@ -131,7 +131,11 @@ def inject(job: Any, f: dict[str, Any]) -> dict[str, Any]:
         began = job.wait_event("restart_signal", since=t, timeout=60)
         rec["second_in_round"] = began is not None
         t2 = time.time()
-        rec["second_pid"] = _signal_rank(job, f["other"], signal.SIGKILL)
+        try:
+            rec["second_pid"] = _signal_rank(job, f["other"], signal.SIGKILL)
+        except (ProcessLookupError, RuntimeError) as exc:   # its launcher was already ending it (torchrun)
+            rec["second_pid"] = None
+            rec["second_missed"] = f"{type(exc).__name__}: {exc}"
         rec["second_t"] = t2
     elif kind == "coordinator":
         job.kill_coordinator()
