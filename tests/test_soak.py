@@ -45,6 +45,7 @@ def test_three_minute_chaos_soak(tmp_path):
     faults = [f for f in faults if f["verdict"] == "recovered"]
     assert all(f.get("recovery_s") is not None and f["recovery_s"] > 0 for f in faults), info
     assert [f for f in faults if f["kind"] == "double"][0]["second_in_round"], info
+    assert all(f["corruption_found"] for f in faults if f["kind"] == "rot"), info
     assert list(hpr["exit_codes"].values()) == [0, 0], info
     assert hpr["exact"]["equal"], info
     judged = [s for s in hpr["flat"] if s["judged"]]

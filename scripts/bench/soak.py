@@ -143,6 +143,9 @@ class Soak:
             rec["i"], rec["offset"] = f["i"], round(rec["t"] - t0, 2)
             self.await_recovery(rec)
             soak_faults.after_recovery(job, rec)
+            if rec["kind"] == "rot" and hasattr(job, "events"):   # the rotten copy was found, not restored
+                rec["corruption_found"] = any("SnapshotCorrupt" in str(e.get("root_cause"))
+                                              for e in job.events("fault", rec["t"]))
             faults.append(rec)
             print(f"{job.system:12s} fault {f['i']:3d} {f['kind']:11s} rank {f['rank']} at {rec['offset']:7.1f}s: "
                   + (f"recovered in {rec['recovered_at'] - rec['t']:.2f}s" if "recovered_at" in rec else

@@ -101,37 +101,67 @@ def _slope(points: list[tuple[float, float]]) -> float:
     return sum((t - mt) * (v - mv) for t, v in points) / den if den else 0.0
 
 
-#: how much a series may grow over the run before it counts as a leak: (absolute, relative to its first window).
-#: A survivor's descriptors move by a few with the phase it is sampled in (connections to the other node's
-#: processes come and go with them); a leak of one per fault shows over a run's tens of faults.
-TOLERANCE = {"threads": (3, 0.0), "fds": (8, 0.0), "rss": (24 << 20, 0.10), "shm": (8 << 20, 0.10)}
-#: threads and descriptors: the floor of a window (a leak raises the floor; a fault's round only adds for a
-#: while); RSS and /dev/shm: its median
-FLOOR = ("threads", "fds")
+#: how much a total may grow over the run before it counts as a leak: (absolute, relative to its first window)
+TOLERANCE = {"threads": (3, 0.0), "fds": (8, 0.0), "rss": (48 << 20, 0.10), "shm": (8 << 20, 0.10)}
+#: a sample counts towards a total only when every process in it has been running this long (a process that is
+#: starting has not opened what it keeps open yet)
+SETTLE_S = 15.0
+#: the totals judged, and how many processes (or nodes) a sample must have to count
+GROUPS = {"agents": ("agent", 2), "ranks": ("rank", 4), "nodes": ("shm", 2)}
+
+
+def _window(metric: str, values: list[float]) -> float:
+    """A window's level: its median (a fault's round adds threads and connections for a moment)."""
+    return statistics.median(values)
 
 
 def flatness(samples: Iterable[dict[str, Any]], run_s: float, warmup_s: float) -> list[dict[str, Any]]:
-    """Each series (a process of a role, or a node's /dev/shm) that lived through most of the run, checked flat:
-    its last fifth of samples against its first fifth (after its own first `warmup_s`: a new process, or a
-    replacement node, is still starting), and its fitted slope times its length, both within TOLERANCE.
-    Series that lived < 40 % of the run (a replaced rank, a node's replacement) are listed but not judged."""
-    series: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    """The totals over the agents, over the ranks' processes and over the nodes' /dev/shm, sampled together,
+    checked flat after the first `warmup_s` of the run: the median of the last fifth of the samples against
+    that of the first fifth, and the fitted slope times the length, both within TOLERANCE (samples in which a
+    process has run less than SETTLE_S are left out).
+
+    Why totals and not each process: a replaced rank or node starts afresh, and an agent's descriptors depend
+    on its part in the current generation (the agent that hosts the workers' store holds their connections and
+    its server's; after a node loss that part may move to the other agent) - a step between two agents, not a
+    leak. A leak in any one process still raises the total. Each process's own first and last values are
+    listed beside (not judged)."""
+    ticks: dict[float, list[dict[str, Any]]] = {}
     for s in samples:
-        for metric in ("threads", "fds", "rss", "shm"):
-            if metric in s and s[metric] is not None:
-                series.setdefault((s["role"], metric, s["pid"]), []).append((s["t"], float(s[metric])))
+        ticks.setdefault(s["t"], []).append(s)
+    if not ticks:
+        return []
+    t_first = min(ticks)
+    born: dict[int, float] = {}
+    for t, group in sorted(ticks.items()):
+        for s in group:
+            born.setdefault(s["pid"], t)
+    totals: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    per_process: dict[tuple[str, str, int], list[float]] = {}
+    for t, group in sorted(ticks.items()):
+        for name, (prefix, count) in GROUPS.items():
+            members = [s for s in group if s["role"].startswith(prefix)]
+            for metric in ("threads", "fds", "rss", "shm"):
+                values = [s[metric] for s in members if s.get(metric) is not None]
+                settled = all(t - born[s["pid"]] >= SETTLE_S for s in members)
+                if values and len(values) == count and settled and t >= t_first + warmup_s:
+                    totals.setdefault((name, metric), []).append((t, float(sum(values))))
+                for s in members:
+                    if s.get(metric) is not None:
+                        per_process.setdefault((s["role"], metric, s["pid"]), []).append(float(s[metric]))
     out = []
-    for (role, metric, pid), pts in sorted(series.items()):
-        pts = [p for p in pts if p[0] >= pts[0][0] + warmup_s] or pts[-1:]
+    for (name, metric), pts in sorted(totals.items()):
         span = pts[-1][0] - pts[0][0]
-        judged = span >= 0.4 * max(1.0, run_s - warmup_s) and len(pts) >= 10
+        judged = len(pts) >= 10
         k = max(2, len(pts) // 5)
-        pick = min if metric in FLOOR else statistics.median
-        first, last = pick(v for _, v in pts[:k]), pick(v for _, v in pts[-k:])
-        grown, fitted = last - first, (_slope(pts) * span if len(pts) > 1 else 0.0)
+        first, last = _window(metric, [v for _, v in pts[:k]]), _window(metric, [v for _, v in pts[-k:]])
+        fitted = _slope(pts) * span if len(pts) > 1 else 0.0
         absolute, relative = TOLERANCE[metric]
         allowed = absolute + relative * first
-        out.append({"role": role, "metric": metric, "pid": pid, "samples": len(pts), "span_s": round(span, 1),
+        out.append({"role": name, "metric": metric, "pid": None, "samples": len(pts), "span_s": round(span, 1),
                     "first": first, "last": last, "fitted_growth": round(fitted, 1), "allowed": allowed,
-                    "judged": judged, "flat": (not judged) or (grown <= allowed and fitted <= allowed)})
+                    "judged": judged, "flat": (not judged) or (last - first <= allowed and fitted <= allowed)})
+    for (role, metric, pid), values in sorted(per_process.items()):
+        out.append({"role": role, "metric": metric, "pid": pid, "samples": len(values), "first": values[0],
+                    "last": values[-1], "judged": False, "flat": True})
     return out

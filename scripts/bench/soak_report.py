@@ -85,17 +85,15 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]], kinds: dict[st
         if "flat" in r:
             judged = [s for s in r["flat"] if s["judged"]]
             bad = [s for s in judged if not s["flat"]]
-            lines.append(f"- resources: {len(judged)} series judged (of {len(r['flat'])}), "
+            lines.append(f"- resources (sampled totals, the medians of the first and last fifth of the samples): "
+                         f"{len(judged)} judged, "
                          f"{'all flat' if not bad else str(len(bad)) + ' NOT flat'}")
-            for s in bad:
-                lines.append(f"  - {s['role']} {s['metric']} (pid {s['pid']}): {s['first']:.0f} -> {s['last']:.0f}, "
-                             f"fitted growth {s['fitted_growth']:.0f}, allowed {s['allowed']:.0f}")
-            for metric in ("threads", "fds", "rss", "shm"):
-                ms = [s for s in judged if s["metric"] == metric]
-                if ms:
-                    worst = max(ms, key=lambda s: s["last"] - s["first"])
-                    lines.append(f"  - {metric}: largest change {worst['role']} {worst['first']:.0f} -> "
-                                 f"{worst['last']:.0f} over {worst['span_s']:.0f} s")
+            for s in judged:
+                mib = s["metric"] in ("rss", "shm")
+                scale, unit = (1 / (1 << 20), " MiB") if mib else (1, "")
+                lines.append(f"  - {s['role']} {s['metric']}: {s['first'] * scale:.1f} -> {s['last'] * scale:.1f}{unit} "
+                             f"over {s['span_s']:.0f} s (fitted growth {s['fitted_growth'] * scale:.1f}, allowed "
+                             f"{s['allowed'] * scale:.1f}){'' if s['flat'] else ' NOT FLAT'}")
         lines.append(f"- left running after the job: {r.get('leftovers') or 'nothing'}")
         others = [f for f in r["faults"] if verdict(f) != "recovered" and not verdict(f).startswith("not reached")]
         if others:
