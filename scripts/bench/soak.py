@@ -239,7 +239,7 @@ def per_kind(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, required=True, help="how long each system's job runs under faults")
+    ap.add_argument("--minutes", type=float, default=None, help="how long each system's job runs under faults")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", required=True, help="directory for soak.json, soak.md and soak.png")
     ap.add_argument("--mean-interval", type=float, default=30.0, help="mean seconds between faults")
@@ -258,11 +258,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--end-timeout", type=float, default=300.0)
     ap.add_argument("--keep", action="store_true", help="keep the jobs' directories (logs) under DIR/work")
+    ap.add_argument("--report-only", action="store_true", help="only make soak.json, soak.md and soak.png again "
+                    "from DIR/soak-raw.json (the resources judged again by this version's rules)")
     a = ap.parse_args(argv)
+    if a.report_only:
+        return report_again(Path(a.out), a)
     kinds = tuple(a.kinds.split(","))
     bad = [k for k in kinds if k not in soak_faults.KINDS]
-    if bad or a.minutes <= 0 or a.mean_interval <= 0:
-        ap.error(f"unknown fault kind {bad[0]!r}" if bad else "--minutes and --mean-interval must be > 0")
+    if bad or a.minutes is None or a.minutes <= 0 or a.mean_interval <= 0:
+        ap.error(f"unknown fault kind {bad[0]!r}" if bad else "--minutes (required) and --mean-interval must be > 0")
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         print("soak.py: needs root and unshare (each node in its own pid and mount namespaces)", file=sys.stderr)
         return 2
@@ -315,6 +319,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     (out / "soak-raw.json").write_text(json.dumps({"meta": meta, "results": results}, default=str))   # report fails
     ok = soak_report.write(out, meta, results, per_kind, verdict)
     return 0 if ok else 1
+
+
+def report_again(out: Path, a: argparse.Namespace) -> int:
+    import soak_report
+    raw = json.loads((out / "soak-raw.json").read_text())
+    meta, results = raw["meta"], raw["results"]
+    for r in results:
+        r["exit_codes"] = {int(k): v for k, v in r["exit_codes"].items()}
+        r["lanes"] = {int(k): v for k, v in r.get("lanes", {}).items()}
+        if r.get("samples"):
+            r["flat"] = soak_procs.flatness(r["samples"], meta["minutes"] * 60, a.warmup + 30)
+    meta["command"] += f"  (report made again: soak.py --report-only --out {a.out})"
+    return 0 if soak_report.write(out, meta, results, per_kind, verdict) else 1
 
 
 if __name__ == "__main__":
