@@ -257,7 +257,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--log-fs-mb", type=int, default=64)
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--end-timeout", type=float, default=300.0)
-    ap.add_argument("--keep", action="store_true", help="keep the jobs' directories (logs) under DIR/work")
+    ap.add_argument("--keep", action="store_true", help="keep the jobs' directories (outputs, logs) in DIR/soak-*")
     ap.add_argument("--report-only", action="store_true", help="only make soak.json, soak.md and soak.png again "
                     "from DIR/soak-raw.json (the resources judged again by this version's rules)")
     a = ap.parse_args(argv)
