@@ -176,7 +176,11 @@ class InProcess(RoundBase):
         waits up to --replace-timeout for a replacement. Returns the round's target (None: not acted on)."""
         if not self.state.active or self.completing:
             return None
+        # the step the job was at (this node's ranks'): node losses with training between them are not the same
+        # step failing again (--max-step-failures); a node lost again and again at one step still is
+        steps = [st.step for st in self.ranks.values() if st.step is not None]
         info = FailureInfo(host=f"node {node}", node=node, cause="node lost", generation=self.state.generation,
+                           step=max(steps) if steps else None,
                            summary=f"node {node} lost: {why} (--node-timeout {self.cfg.node_timeout:g}s)")
         self.fault(info, failed=())
         r = self.round

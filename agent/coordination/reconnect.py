@@ -87,6 +87,10 @@ class Ledger:
         with self._lock:
             return dict(self._values)
 
+    def knows(self, key: str) -> bool:
+        with self._lock:
+            return key in self._values
+
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
@@ -230,7 +234,17 @@ class ReconnectingStore:
         return count
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self._call(lambda s: s.check(keys)))
+        """Whether every key is set. Keys found set are read once into the ledger: an agent that only ever
+        checked a record (the rendezvous' `ready`, which only the last agent to join writes) must still write
+        it back - otherwise, once the agents that wrote it are replaced, a coordinator started again no longer
+        knows that the job was formed, and a lost node's replacement starts a new rendezvous instead of taking
+        its rank over."""
+        found = bool(self._call(lambda s: s.check(keys)))
+        if found:
+            for key in keys:
+                if not self._link.ledger.knows(key):
+                    self.get(key)   # nothing deletes a record of the coordinator: a set key stays set
+        return found
 
     def compare_set(self, key: str, expected_value: StoreValue, desired_value: StoreValue) -> bytes:
         now = bytes(self._call(lambda s: s.compare_set(key, expected_value, desired_value)))

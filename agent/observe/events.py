@@ -43,17 +43,24 @@ class JsonlSink:
                                           "symlinks. Remove it (someone else may have planted it)") from None
         self._fh: Optional[IO[str]] = os.fdopen(fd, "a", buffering=1)
         self._write_failed = False
+        self._torn = False      # the file ends in part of a record (a write that ran out of space midway)
 
     def write(self, record: Mapping[str, Any], level: int, message: str) -> None:
         """Append one record in one write (O_APPEND, past the text buffer). A full or broken log filesystem
         loses records, with one warning on stderr; it never stops the agent."""
         if self._fh is None:
             return
+        # after a torn record the next one starts on a line of its own: else, once there is space again, it
+        # would be glued to the torn one and be lost with it (a reader skips the line it cannot parse)
+        payload = ("\n" if self._torn else "") + json.dumps(record, default=str) + "\n"
+        data = memoryview(payload.encode())
+        whole = len(data)
         try:
-            data = memoryview((json.dumps(record, default=str) + "\n").encode())
             while data:
                 data = data[os.write(self._fh.fileno(), data):]
+            self._torn = False
         except OSError as exc:
+            self._torn = self._torn or len(data) != whole
             if not self._write_failed:
                 self._write_failed = True
                 log.warning("cannot write the event log (%s); dropping event records while it cannot be written "

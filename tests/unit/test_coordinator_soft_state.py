@@ -184,6 +184,24 @@ def test_the_agents_agree_on_the_newest_generation_and_count_the_budget_once(fir
     assert ahead.coord.restarts_used() == 3
 
 
+def test_a_record_an_agent_only_checked_goes_back_too() -> None:
+    """The rendezvous' `ready` is written by the last agent to join; the others only check it. Once its writer
+    is gone (its node lost and replaced), a coordinator started again must still learn from the agents left
+    that the job was formed - else a replacement that comes next starts a new rendezvous as node 0 and the
+    job waits for it until --replace-timeout (found by scripts/bench/soak.py)."""
+    fake, clock = FakeCoordinator(), FakeClock()
+    writer, checker = Agent(fake, clock, 0), Agent(fake, clock, 1)
+    writer_store, checker_store = writer.link.connect(), checker.link.connect()
+    writer_store.set(K.RDZV_READY, "1")
+    assert checker_store.check([K.RDZV_READY]) and not checker_store.check([K.RDZV_SIZE])
+    writer.link.ledger = Ledger()         # its node is gone: nothing of it is written back
+    fake.kill()
+    fake.start()
+    assert not checker_store.check([K.RDZV_SIZE])      # the first call after the restart writes back
+    assert fake.server is not None and fake.server.check([K.RDZV_READY])
+    assert checker.link.ledger.knows(K.RDZV_READY) and not checker.link.ledger.knows(K.RDZV_SIZE)
+
+
 def test_one_write_back_per_agent_whichever_connection_comes_first() -> None:
     """An agent's connections (the loop's, the watcher's) reconnect one after the other: its records go back
     once, so the counters beside the per-node marks are not counted twice."""

@@ -324,6 +324,24 @@ def test_a_failure_at_another_step_starts_the_count_again():
     assert not h.sink.named("step_keeps_failing")
 
 
+def test_node_losses_with_training_between_them_are_not_one_step_failing() -> None:
+    """A node lost again and again while the job trains between the losses is not a step that keeps failing: a
+    loss is counted at the step this node's ranks were at (found by scripts/bench/soak.py, where the third loss
+    of a node in a row ended the job with 77 - the losses had no step, so they all counted as "the same point").
+    A node lost twice at the same step still is."""
+    from hyperpodrun.agent.rankstate import StepGuard
+    h = running(max_step_failures=2, nnodes=2)
+    h.beat(0, 0, 10, 1)
+    h.beat(1, 0, 12, 1)
+    assert h.inproc is not None and h.inproc.node_lost(1, "inc1", "no lease renewal") == 1
+    assert h.inproc.round is not None
+    root = h.inproc.round.root
+    assert root.cause == "node lost" and root.step == 12
+    guard = StepGuard(2)
+    assert guard.count(root) is None and guard.count(root.with_(step=40)) is None
+    assert "step 40 failed 2 times" in (guard.count(root.with_(step=40)) or "")
+
+
 def test_lost_steps_reported_are_those_trained_again_even_when_no_process_knows() -> None:
     """A rank SIGKILLed in step 9 (its heartbeat said so) and a replacement that restores step 4: the replacement
     cannot know where its predecessor was and says 0 steps lost - the agent, which saw step 9 in progress when the
