@@ -82,7 +82,12 @@ class ManagerCore:
         self.layout = ParallelLayout(num_distributed_optimizer_instances, tensor_model_parallel_size,
                                      pipeline_model_parallel_size, context_parallel_size, rank_order)
         self._layout_checked: Optional[int] = None     # the world size the layout was last checked at
-        if os.environ.get("WORLD_SIZE", "").isdigit():  # launched: refuse a layout that cannot work before step 0
+        # launched with a parallel layout: refuse one that cannot work before step 0 (the first save checks it
+        # anyway). The default layout reads nothing here: a standby runs a script that builds its
+        # CheckpointManager at the top ahead of its rank only while the top reads no rank variable (--standby-prerun)
+        laid_out = (num_distributed_optimizer_instances or 1) > 1 or max(
+            tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size) > 1
+        if laid_out and os.environ.get("WORLD_SIZE", "").isdigit():
             self._check_layout(int(os.environ["WORLD_SIZE"]))
         self._session: Any = None
         self._caller: Any = None
