@@ -1,8 +1,8 @@
 """The chaos soak (scripts/bench/soak.py) in its 3-minute seeded form: 2 nodes x 2 ranks under hyperpodrun
 (each node in its own pid and mount namespaces, a standalone coordinator), a fault every ~12 s, every kind
-at least once - exceptions, a MemoryError, SIGKILL and SIGSTOP of a rank, a node lost whole and replaced, a
-second fault during a recovery round, the coordinator killed and started again, a rotten snapshot slot, a full
-log filesystem. Every fault must be recovered, the final state bitwise equal to a fault-free replay of the same
+at least once - exceptions, a MemoryError, SIGKILL and SIGSTOP of a rank, a node lost whole and replaced, a node
+lost whole and a waiting hot spare taking over, a second fault during a recovery round, the coordinator killed
+and started again, a rotten snapshot slot, a full log filesystem. Every fault must be recovered, the final state bitwise equal to a fault-free replay of the same
 steps, the agents' and ranks' threads, descriptors and RSS and the nodes' /dev/shm flat, and nothing of the
 job left running or in /dev/shm.
 
@@ -47,6 +47,8 @@ def test_three_minute_chaos_soak(tmp_path):
     assert [f for f in faults if f["kind"] == "double"][0]["second_in_round"], info
     assert all(f["corruption_found"] for f in faults if f["kind"] == "rot"), info
     assert list(hpr["exit_codes"].values()) == [0, 0], info
+    assert hpr["spare_exits"] == [0], info   # the spare waiting at the end was not needed: it left with the job
+    assert all(f["taken_over_by"].startswith("spare-") for f in faults if f["kind"] == "spare"), info
     assert hpr["exact"]["equal"], info
     judged = [s for s in hpr["flat"] if s["judged"]]
     assert {s["metric"] for s in judged} == {"threads", "fds", "rss", "shm"}, info

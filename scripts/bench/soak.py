@@ -120,6 +120,8 @@ class Soak:
         begun = time.time() + a.start_timeout
         while job.min_step() < 1 and not job.ended() and time.time() < begun:
             time.sleep(0.2)
+        if "spare" in a.kinds.split(",") and not job.ended():   # the hot spare waits from the start
+            job.start_spare()
         t0 = time.time()
         self.recovered_at = t0
         faults: list[dict[str, Any]] = []
@@ -158,7 +160,7 @@ class Soak:
         stop_at = job.stop()
         codes = job.wait_end(a.end_timeout)
         return {"system": job.system, "t0": t0, "stop_at": stop_at, "exit_codes": codes, "faults": faults,
-                "samples": self.samples}
+                "samples": self.samples, "spare_exits": getattr(job, "spare_exits", [])}
 
 
 def steps_and_goodput(out: Path, res: dict[str, Any]) -> None:

@@ -7,6 +7,10 @@
   hang         a rank's process is SIGSTOPped (and never continued): found by the hang timeout
   node         a node dies whole (its pid namespace's init SIGKILLed: agent, workers, its /dev/shm); its command
                is started again 1 s later (a replacement, as a scheduler does)
+  spare        a node dies whole and the hot spare already waiting (hyperpodrun: a third agent, not in the
+               world size) takes its ranks; nothing is started again for it, and once the job recovered a new
+               spare is started to wait for the next loss (torchrun has no waiting spare here: its node's
+               command is started again 1 s later, as for `node`)
   double       a rank raises, and once the recovery round has begun (the first restart_signal) another rank,
                on another node, is SIGKILLed: a second fault during the recovery
   coordinator  the standalone coordinator is SIGKILLed and started again at the same address 2-6 s later
@@ -27,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-KINDS = ("raise", "oom", "kill", "hang", "node", "double", "coordinator", "rot", "logfull")
-WEIGHTS = {"raise": 3, "oom": 1, "kill": 3, "hang": 2, "node": 2, "double": 1, "coordinator": 1, "rot": 1,
+KINDS = ("raise", "oom", "kill", "hang", "node", "spare", "double", "coordinator", "rot", "logfull")
+WEIGHTS = {"raise": 3, "oom": 1, "kill": 3, "hang": 2, "node": 2, "spare": 2, "double": 1, "coordinator": 1, "rot": 1,
            "logfull": 1}
 
 
@@ -125,6 +129,9 @@ def inject(job: Any, f: dict[str, Any]) -> dict[str, Any]:
         job.wait_node_gone(rank // 2)
         time.sleep(max(0.0, 1.0 - (time.time() - t)))   # "started again 1 s after the loss"
         job.replace_node(rank // 2)
+    elif kind == "spare":
+        rec["node"] = rank // 2
+        rec["taken_over_by"] = job.lose_to_spare(rank // 2)
     elif kind == "double":
         _command(job, rank, "raise")
         rec["second_rank"] = f["other"]
@@ -157,7 +164,10 @@ def inject(job: Any, f: dict[str, Any]) -> dict[str, Any]:
 
 
 def after_recovery(job: Any, rec: dict[str, Any]) -> None:
-    """Undo what outlives a fault once the job recovered from it: the full log filesystem gets its space back."""
+    """Undo what outlives a fault once the job recovered from it: the full log filesystem gets its space back;
+    a spare that took over is followed by a new one, waiting for the next loss."""
+    if rec["kind"] == "spare":
+        rec["next_spare_waiting_s"] = job.start_spare()
     if rec["kind"] == "logfull":
         (job.log_fs / "filler").unlink(missing_ok=True)
         rec["freed_at"] = time.time()

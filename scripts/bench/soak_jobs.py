@@ -116,10 +116,35 @@ class HprJob(_Common):
         wait_until(lambda: "node 0 waiting" in self.nodes[0].proc.err() or not self.nodes[0].alive(), 120,
                    message="node 0 joined")
         self.nodes[1] = self.cluster.start(1, label="n1-0")
+        self.spare: Optional[Node] = None
+        self.spares = 0
+        self.spare_exits: list[Optional[int]] = []   # the code of each spare that ended (one that took over: none)
         self.t_start = time.time()
 
     def unsupported(self, f: dict[str, Any]) -> Optional[str]:
         return None
+
+    def start_spare(self) -> float:
+        """A third agent with the same command: the job has its two nodes, so it waits as a hot spare. Returns
+        the seconds until it said so."""
+        t = time.monotonic()
+        self.spares += 1
+        spare = self.spare = self.cluster.start(2, label=f"spare-{self.spares}")
+        wait_until(lambda: "hot spare" in spare.proc.err() or not spare.alive(), 180,
+                   message=f"spare {self.spares} waits")
+        if not spare.alive():
+            raise RuntimeError(f"spare {self.spares} ended before it waited:\n{spare.describe()}")
+        return time.monotonic() - t
+
+    def lose_to_spare(self, node: int) -> str:
+        """Node `node` dies whole; the waiting spare takes its place (nothing is started again)."""
+        spare = self.spare
+        if spare is None or not spare.alive():
+            raise RuntimeError("no hot spare waiting")
+        self.kill_node(node)
+        self.wait_node_gone(node)
+        self.nodes[node], self.spare = spare, None
+        return f"spare-{self.spares}"
 
     def init_pid(self, node: int) -> int:
         return self.nodes[node].init_pid()
@@ -200,6 +225,11 @@ class HprJob(_Common):
                 codes[i] = n.wait(timeout)
             except AssertionError:
                 codes[i] = -999
+        if self.spare is not None:   # not needed: it leaves with the job (exit 0)
+            try:
+                self.spare_exits.append(self.spare.wait(timeout))
+            except AssertionError:
+                self.spare_exits.append(-999)
         return codes
 
     def describe(self) -> str:
@@ -263,7 +293,7 @@ class TorchrunJob(_Common):
             return "torchrun has no in-memory snapshot slot (it reloads its torch.save checkpoint)"
         if f["kind"] == "logfull":
             return "torchrun keeps no log dir here (its workers' output goes to its console)"
-        if f["kind"] == "node" and f["rank"] // 2 == 0:
+        if f["kind"] in ("node", "spare") and f["rank"] // 2 == 0:
             return "node 0's agent hosts torchrun's c10d rendezvous store: its loss ends the job"
         return None
 
@@ -286,6 +316,18 @@ class TorchrunJob(_Common):
     def replace_node(self, node: int) -> None:
         self.incarnations[node] += 1
         self.nodes[node] = self._start(node)
+
+    def start_spare(self) -> float:
+        return 0.0   # no waiting spare (lose_to_spare starts the node's command again)
+
+    def lose_to_spare(self, node: int) -> str:
+        """torchrun's answer to a lost node here: its command started again 1 s after the loss (as `node`)."""
+        t = time.time()
+        self.kill_node(node)
+        self.wait_node_gone(node)
+        time.sleep(max(0.0, 1.0 - (time.time() - t)))   # "started again 1 s after the loss"
+        self.replace_node(node)
+        return "replacement (no waiting spare under torchrun)"
 
     def wait_event(self, name: str, since: float, timeout: float, every_node: bool = False) -> Optional[dict]:
         """torchrun has no event log; its recovery begins when the rank that raised has taken the command."""

@@ -57,7 +57,8 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]], kinds: dict[st
         late = len([f for f in r["faults"] if f.get("skipped", "").startswith("not reached")])
         handled = [f for f in done if "recovered_at" in f]
         good = f"{100 * r['goodput']:.1f} %" if r.get("goodput") else "-"
-        lines.append(f"| {r['system']} | {len(done)} (+{late} not reached) | {len(handled)} | {list(r['exit_codes'].values())} | "
+        lines.append(f"| {r['system']} | {len(done)} (+{late} not reached) | {len(handled)} | {list(r['exit_codes'].values())}"
+                     + (f" (spare: {r['spare_exits']})" if r.get("spare_exits") else "") + f" | "
                      f"{r.get('steps_final')} | {_fmt(r.get('step_s'), '')} | {_fmt(r.get('wall_s'), '')} | {good} |")
     lines += ["", "Recovery per fault kind (seconds: median / p95 / max; n = faults recovered of those done; a fault a "
               "system did not reach within the run's time is not counted):", "",
@@ -189,5 +190,6 @@ def write(out: Path, meta: dict[str, Any], results: list[dict[str, Any]],
     if hpr is None:
         return True
     return (all(f["verdict"] == "recovered" or f["verdict"].startswith("not reached") for f in hpr["faults"]) and set(hpr["exit_codes"].values()) == {0}
+            and all(c == 0 for c in hpr.get("spare_exits", []))
             and hpr.get("exact", {}).get("equal", False) and all(s["flat"] for s in hpr.get("flat", []))
             and not hpr.get("leftovers") and not meta["shm_left"])
